@@ -1,0 +1,93 @@
+"""Shared pieces of the benchmarks: real KV from SmolLM2, result files, page-cache control."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def real_kv(tokens: int, seed: int = 0, model_name: str = "smollm2-135m"):
+    """KV of a generated document through SmolLM2: (keys, values, queries, model, tokenizer).
+
+    keys, values : Tensor, shape (layers, kv_heads, tokens, head_dim), fp32, after RoPE.
+    queries : Tensor, shape (layers, q_heads, head_dim) -- the last token's queries (after RoPE).
+    """
+    from transformers import DynamicCache
+
+    from tierkv.hf.model import load_model
+    from tierkv.textgen import make_document, passkey_fact
+
+    model, tok = load_model(model_name)
+    doc = make_document(tok, tokens, seed, [passkey_fact(random.Random(seed))])
+    ids = tok(doc, return_tensors="pt")["input_ids"][:, :tokens]
+    cache = DynamicCache()
+    queries = []
+    hooks = [layer.self_attn.q_proj.register_forward_hook(
+        lambda mod, inp, out: queries.append(out[0, -1].detach()))
+        for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    keys = torch.stack([layer.keys[0] for layer in cache.layers])
+    values = torch.stack([layer.values[0] for layer in cache.layers])
+    q = _rope_last_queries(model, torch.stack(queries), ids.shape[1] - 1)
+    return keys, values, q, model, tok
+
+
+def _rope_last_queries(model, q_flat, position):
+    """Apply the model's RoPE to the last token's projected queries (layers, q_heads*dim)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    q = q_flat.view(cfg.num_hidden_layers, 1, 1, cfg.num_attention_heads, head_dim)
+    pos = torch.tensor([[position]])
+    cos, sin = model.model.rotary_emb(q_flat.new_zeros(1, 1, head_dim), pos)
+    out = [apply_rotary_pos_emb(ql.transpose(1, 2), ql.transpose(1, 2), cos, sin)[0] for ql in q]
+    return torch.stack([o[0, :, 0] for o in out])  # (layers, q_heads, head_dim)
+
+
+def drop_page_cache(path: str | os.PathLike) -> None:
+    """Ask the kernel to drop ``path``'s pages so the next read comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def machine() -> dict:
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+            "gpu": gpu, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def write_result(name: str, data: dict) -> Path:
+    """Write ``bench/results/<name>.json`` (atomically) with the machine description added."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"machine": machine(), **data}, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def timed(fn, *args, repeat: int = 3, **kwargs):
+    """Best wall time of ``repeat`` calls and the last result."""
+    best, result = float("inf"), None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        result = fn(*args, **kwargs)
+        best = min(best, time.perf_counter() - t0)
+    return best, result

@@ -1,0 +1,217 @@
+"""Frozen, validated configuration objects.
+
+Every value from a user passes through here once; a bad value raises ``ValueError`` naming the
+field, the value and what is allowed, at construction, before anything is stored.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | float | str, field_name: str = "size") -> int:
+    """Bytes from an int or a string such as ``"64MB"``, ``"1.5GiB"``, ``"512k"``.
+
+    ``KB/MB/GB/TB`` are decimal (10**3...), ``KiB/MiB/GiB/TiB`` and the bare ``K/M/G/T`` binary.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{field_name}={value!r}: expected a byte count or a size like '64MB'")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"{field_name}={value!r}: expected a size like '64MB', '1.5GiB' or "
+                             f"an integer byte count (units: KB MB GB TB KiB MiB GiB TiB)")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    else:
+        raise ValueError(f"{field_name}={value!r}: expected int or str, got {type(value).__name__}")
+    size = number * _UNITS[unit]
+    if size < 0 or size != size or size > 2**62:
+        raise ValueError(f"{field_name}={value!r}: must be between 0 and 2**62 bytes")
+    return int(size)
+
+
+def _check_range(name: str, value, low, high, kind=int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise ValueError(f"{name}={value!r}: expected {kind.__name__} in [{low}, {high}]")
+    if not low <= value <= high:
+        raise ValueError(f"{name}={value!r}: must be in [{low}, {high}]")
+
+
+CODECS = ("raw", "zstd", "int8", "int4")
+LOSSY_CODECS = ("int8", "int4")
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """How records are encoded on disk.
+
+    ``codec="auto"`` lets the compression controller choose per record from measured bandwidths,
+    within ``allow_lossy``; a named codec fixes it.
+    """
+
+    codec: str = "auto"
+    zstd_level: int = 3
+    allow_lossy: bool = False
+    group_size: int = 64
+
+    def __post_init__(self):
+        allowed = ("auto",) + CODECS
+        if self.codec not in allowed:
+            raise ValueError(f"codec={self.codec!r}: must be one of {', '.join(allowed)}")
+        if self.codec in LOSSY_CODECS and not self.allow_lossy:
+            raise ValueError(f"codec={self.codec!r} is lossy: set allow_lossy=True to use it")
+        _check_range("zstd_level", self.zstd_level, 1, 22)
+        _check_range("group_size", self.group_size, 8, 4096)
+        if self.group_size % 2:
+            raise ValueError(f"group_size={self.group_size}: must be even (int4 packs pairs)")
+
+    @property
+    def candidates(self) -> tuple[str, ...]:
+        """Codecs the controller may choose from."""
+        if self.codec != "auto":
+            return (self.codec,)
+        return CODECS if self.allow_lossy else ("raw", "zstd")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Budgets and places of the three tiers.
+
+    Parameters
+    ----------
+    device_budget : bytes of KV the device tier may hold (int or "64MB").
+    host_budget : bytes of KV the host tier may hold; ``None`` takes half of the memory psutil
+        reports available now.
+    disk_dir : directory of the disk tier; ``None`` means no disk tier (host overflow is an error).
+    device : "auto" (CUDA when present, else CPU), "cpu", "cuda" or "cuda:N".
+    io_threads : reader threads of the disk tier.
+    """
+
+    device_budget: int | str = "256MB"
+    host_budget: int | str | None = None
+    disk_dir: str | Path | None = None
+    disk_budget: int | str | None = None
+    device: str = "auto"
+    io_threads: int = 4
+    segment_size: int | str = "256MiB"
+    codec: CodecConfig = field(default_factory=CodecConfig)
+
+    def __post_init__(self):
+        set_ = object.__setattr__
+        set_(self, "device_budget", parse_size(self.device_budget, "device_budget"))
+        host = self.host_budget
+        if host is None:
+            host = psutil.virtual_memory().available // 2
+        set_(self, "host_budget", parse_size(host, "host_budget"))
+        if self.disk_budget is not None:
+            set_(self, "disk_budget", parse_size(self.disk_budget, "disk_budget"))
+        set_(self, "segment_size", parse_size(self.segment_size, "segment_size"))
+        if not 4096 <= self.segment_size <= 2**40:
+            raise ValueError(f"segment_size={self.segment_size}: must be in [4KiB, 1TiB]")
+        if self.disk_dir is not None:
+            if not isinstance(self.disk_dir, (str, Path)) or str(self.disk_dir) == "":
+                raise ValueError(f"disk_dir={self.disk_dir!r}: expected a directory path")
+            set_(self, "disk_dir", Path(self.disk_dir))
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device={self.device!r}: must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        _check_range("io_threads", self.io_threads, 1, 256)
+        if not isinstance(self.codec, CodecConfig):
+            raise ValueError(f"codec={self.codec!r}: expected a CodecConfig")
+
+    @property
+    def torch_device(self):
+        """The torch.device of the device tier (CPU memory when no CUDA is present)."""
+        import torch
+
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r}: CUDA is not available on this machine")
+        return torch.device(self.device)
+
+
+@dataclass(frozen=True)
+class ChunkConfig:
+    """Sizes and adaptation rules of the chunk tree (IAKM).
+
+    Leaves hold between ``min`` and ``max`` tokens; sealing cuts ``base``-token chunks.
+    A leaf whose EMA attention share stays below ``desert_threshold`` x its uniform share for
+    ``merge_after`` evaluations merges with a cold neighbour; a selected leaf whose mass sits
+    ``split_concentration`` or more in one half splits.
+    """
+
+    min: int = 16
+    base: int = 64
+    max: int = 1024
+    desert_threshold: float = 0.2
+    merge_after: int = 4
+    split_concentration: float = 0.8
+    ema: float = 0.5
+
+    def __post_init__(self):
+        _check_range("min", self.min, 1, 1 << 20)
+        _check_range("base", self.base, self.min, 1 << 20)
+        _check_range("max", self.max, self.base, 1 << 24)
+        _check_range("desert_threshold", self.desert_threshold, 0.0, 1.0, float)
+        _check_range("merge_after", self.merge_after, 1, 1000)
+        _check_range("split_concentration", self.split_concentration, 0.5, 1.0, float)
+        _check_range("ema", self.ema, 0.0, 1.0, float)
+
+
+SELECTORS = ("last", "uniform", "exp")
+
+
+@dataclass(frozen=True)
+class SelectConfig:
+    """What a sparse layer attends to.
+
+    ``budget`` is the token budget of the selected context: a fraction of the context length
+    when < 1 (e.g. 0.1), a token count when >= 1. Sinks and the recent window are always kept
+    and count against it.
+    """
+
+    budget: float | int = 0.1
+    sinks: int = 4
+    window: int = 64
+    selector: str = "last"
+    selector_window: int = 8
+    filter_layers: tuple[int, ...] | None = None
+    full_after_filter: bool = False
+
+    def __post_init__(self):
+        b = self.budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or b <= 0 or b != b:
+            raise ValueError(f"budget={b!r}: must be a fraction in (0, 1) or a token count >= 1")
+        if isinstance(b, float) and b >= 1 and not b.is_integer():
+            raise ValueError(f"budget={b!r}: a token count must be a whole number")
+        _check_range("sinks", self.sinks, 0, 1 << 20)
+        _check_range("window", self.window, 1, 1 << 20)
+        _check_range("selector_window", self.selector_window, 1, 4096)
+        if self.selector not in SELECTORS:
+            raise ValueError(f"selector={self.selector!r}: must be one of {', '.join(SELECTORS)}")
+        if self.filter_layers is not None:
+            layers = tuple(self.filter_layers)
+            if not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
+                raise ValueError(f"filter_layers={self.filter_layers!r}: expected non-negative layer indices")
+            if list(layers) != sorted(set(layers)):
+                raise ValueError(f"filter_layers={self.filter_layers!r}: must be strictly increasing")
+            object.__setattr__(self, "filter_layers", layers)
+
+    def tokens(self, context: int) -> int:
+        """The token budget for a context of ``context`` tokens."""
+        if self.budget < 1:
+            return max(1, int(round(self.budget * context)))
+        return int(self.budget)

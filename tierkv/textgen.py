@@ -1,0 +1,70 @@
+"""Seeded, generated long documents with planted facts (for tests, the demo and benchmarks).
+
+Text is made of plain English sentences from small word lists, so a small model reads it as
+ordinary prose; facts ("The pass key is 48213.") are planted at chosen depths.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+_SUBJECTS = ["The river", "An old farmer", "The small village", "A quiet teacher", "The market",
+             "Every traveller", "The northern road", "A young painter", "The city council",
+             "The library", "A tired merchant", "The mountain path", "The harbour", "A local baker"]
+_VERBS = ["watched", "followed", "remembered", "described", "crossed", "visited", "painted",
+          "measured", "repaired", "ignored", "welcomed", "studied", "collected", "opened"]
+_OBJECTS = ["the long bridge", "a field of wheat", "the morning fog", "an empty station",
+            "the stone tower", "a wooden boat", "the winter garden", "a narrow street",
+            "the evening bells", "a box of letters", "the green hills", "an open window"]
+_TAILS = ["before the rain came", "during the spring festival", "without saying a word",
+          "as the sun went down", "for many years", "with great care", "early in the day",
+          "while the children played", "after the long winter", "near the old mill"]
+
+
+@dataclass(frozen=True)
+class Fact:
+    """A fact planted in a document: the sentence, the question that asks it, the answer."""
+
+    sentence: str
+    question: str
+    answer: str
+
+
+def passkey_fact(rng: random.Random) -> Fact:
+    key = str(rng.randint(10000, 99999))
+    return Fact(f"The pass key is {key}. Remember it. {key} is the pass key.",
+                "What is the pass key?", key)
+
+
+def city_fact(rng: random.Random) -> Fact:
+    name = rng.choice(["Anna", "Boris", "Clara", "David", "Elena", "Felix", "Greta", "Hugo"])
+    city = rng.choice(["Lisbon", "Oslo", "Cairo", "Lima", "Vienna", "Dublin", "Seoul", "Quito"])
+    return Fact(f"{name} lives in the city of {city}.", f"In which city does {name} live?", city)
+
+
+def filler_sentence(rng: random.Random) -> str:
+    return f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}."
+
+
+def make_document(tokenizer, n_tokens: int, seed: int, facts: list[Fact] = (),
+                  depths: list[float] | None = None) -> str:
+    """A document of about ``n_tokens`` tokens with ``facts`` planted at ``depths`` (0..1)."""
+    if n_tokens < 16:
+        raise ValueError(f"n_tokens={n_tokens}: must be at least 16")
+    rng = random.Random(seed)
+    depths = list(depths) if depths is not None else [rng.uniform(0.2, 0.8) for _ in facts]
+    if len(depths) != len(facts):
+        raise ValueError(f"{len(facts)} facts but {len(depths)} depths")
+    sentence_tokens = len(tokenizer(filler_sentence(rng))["input_ids"]) + 1
+    n_sentences = max(1, n_tokens // sentence_tokens)
+    sentences = [filler_sentence(rng) for _ in range(n_sentences)]
+    for fact, depth in sorted(zip(facts, depths), key=lambda p: -p[1]):
+        sentences.insert(int(depth * len(sentences)), fact.sentence)
+    return " ".join(sentences)
+
+
+def chat_prompt(tokenizer, document: str, question: str) -> str:
+    """The document and a question as one user turn of the model's chat template."""
+    content = f"Read the text and answer the question.\n\n{document}\n\nQuestion: {question}"
+    messages = [{"role": "user", "content": content}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
