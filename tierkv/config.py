@@ -153,9 +153,9 @@ class ChunkConfig:
     ``split_concentration`` or more in one half splits.
     """
 
-    min: int = 16
-    base: int = 64
-    max: int = 1024
+    min: int = 8
+    base: int = 16
+    max: int = 512
     desert_threshold: float = 0.2
     merge_after: int = 4
     split_concentration: float = 0.8
@@ -185,7 +185,7 @@ class SelectConfig:
 
     budget: float | int = 0.1
     sinks: int = 4
-    window: int = 64
+    window: int = 32
     selector: str = "last"
     selector_window: int = 8
     filter_layers: tuple[int, ...] | None = None

@@ -23,23 +23,26 @@ _TAILS = ["before the rain came", "during the spring festival", "without saying 
 
 @dataclass(frozen=True)
 class Fact:
-    """A fact planted in a document: the sentence, the question that asks it, the answer."""
+    """A fact planted in a document: the sentence, the question that asks it, the answer, and
+    the words that start the answer (given to the model as the start of its reply)."""
 
     sentence: str
     question: str
     answer: str
+    answer_prefix: str
 
 
 def passkey_fact(rng: random.Random) -> Fact:
     key = str(rng.randint(10000, 99999))
     return Fact(f"The pass key is {key}. Remember it. {key} is the pass key.",
-                "What is the pass key?", key)
+                "What is the pass key?", key, "The pass key is")
 
 
 def city_fact(rng: random.Random) -> Fact:
     name = rng.choice(["Anna", "Boris", "Clara", "David", "Elena", "Felix", "Greta", "Hugo"])
     city = rng.choice(["Lisbon", "Oslo", "Cairo", "Lima", "Vienna", "Dublin", "Seoul", "Quito"])
-    return Fact(f"{name} lives in the city of {city}.", f"In which city does {name} live?", city)
+    return Fact(f"{name} lives in the city of {city}.", f"In which city does {name} live?", city,
+                f"{name} lives in the city of")
 
 
 def filler_sentence(rng: random.Random) -> str:
@@ -63,8 +66,16 @@ def make_document(tokenizer, n_tokens: int, seed: int, facts: list[Fact] = (),
     return " ".join(sentences)
 
 
-def chat_prompt(tokenizer, document: str, question: str) -> str:
-    """The document and a question as one user turn of the model's chat template."""
-    content = f"Read the text and answer the question.\n\n{document}\n\nQuestion: {question}"
+def chat_prompt(tokenizer, document: str, question: str, answer_prefix: str = "") -> str:
+    """The document and a question as one user turn of the model's chat template, with the
+    assistant's reply started by ``answer_prefix``."""
+    content = ("There is important information hidden in the text below. Find it and remember it."
+               f"\n\n{document}\n\n{question}")
+    return question_turn(tokenizer, content, answer_prefix)
+
+
+def question_turn(tokenizer, content: str, answer_prefix: str = "") -> str:
+    """One user turn and the start of the reply, in the model's chat template."""
     messages = [{"role": "user", "content": content}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return prompt + answer_prefix

@@ -100,7 +100,9 @@ class Tier(ABC):
     def __init__(self, budget: int | None):
         self.budget = budget
         self._sizes: dict[RecordKey, int] = {}
+        self._reserved: dict[str, int] = {}
         self._used = 0
+        self.peak = 0
         self._lock = threading.RLock()
         self._closed = False
 
@@ -171,6 +173,29 @@ class Tier(ABC):
             stored = self._store(key, block)
             self._used += stored - old
             self._sizes[key] = stored
+            self.peak = max(self.peak, self._used)
+
+    def reserve(self, tag: str, nbytes: int) -> None:
+        """Account ``nbytes`` held outside records under ``tag`` (windows, step buffers).
+
+        Replaces the previous amount under ``tag``; 0 releases it. Raises TierFullError, changing
+        nothing, when the budget would be exceeded.
+        """
+        with self._lock:
+            old = self._reserved.get(tag, 0)
+            if nbytes > old and self.budget is not None and self._used - old + nbytes > self.budget:
+                raise TierFullError(f"{self.name}: {tag} needs {nbytes} B, "
+                                    f"{self.budget - self._used + old} B free of {self.budget}")
+            self._used += nbytes - old
+            if nbytes:
+                self._reserved[tag] = nbytes
+            else:
+                self._reserved.pop(tag, None)
+            self.peak = max(self.peak, self._used)
+
+    @property
+    def reserved(self) -> int:
+        return sum(self._reserved.values())
 
     def get(self, key: RecordKey) -> KVBlock:
         """The block under ``key``; KeyError when absent."""

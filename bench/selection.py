@@ -1,0 +1,296 @@
+"""Chunk selection on real SmolLM2 KV: LKA recall, adaptive vs fixed chunks, evaluations.
+
+For each seeded document the model prefills, then decodes a few greedy steps; an attention
+function registered through ``transformers.AttentionInterface`` captures every layer's post-RoPE
+queries and keys. Per layer, two trees hold the prompt's sealed tokens: *fixed* (64-token
+leaves, never adapted) and *adaptive* (the same leaves, adapted by ``ChunkTree.update`` with the
+layer's exact attention of the last ``WARMUP`` prompt positions, then online after each step).
+At a 10 % token budget, each decode step measures:
+
+* ``lka_mass_recall``: attention mass captured by the leaves chosen from summaries alone
+  (``select_by_query``) / mass of the exact top-k tokens (k = the budget);
+* ``adaptive_vs_fixed_bytes``: tokens (hence bytes) fetched outside the sinks and window to
+  capture the mass the fixed tree captures at the budget, adaptive / fixed, with leaves ranked
+  by exact-score density (the filter-layer path) and, separately, by LKA bound;
+* summaries scored per step (adaptive with pruning, fixed exhaustively), desert fraction, and
+  the bookkeeping time.
+
+Run: ``python -m bench.selection [--quick]``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+
+import matplotlib
+import torch
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from bench.common import RESULTS, write_result  # noqa: E402
+from tierkv.config import ChunkConfig, SelectConfig  # noqa: E402
+from tierkv.select import (adaptation_mass, adaptation_scores, leaf_costs,  # noqa: E402
+                           select_by_query, select_by_scores)
+from tierkv.summary import chunk_scores  # noqa: E402
+from tierkv.tree import ChunkTree  # noqa: E402
+
+FIXED = ChunkConfig(min=64, base=64, max=64)
+CASES = {"fixed64": FIXED, "adaptive": ChunkConfig(),  # the project's default tree
+         "adaptive_base64": ChunkConfig(min=16, base=64, max=1024)}  # same start as fixed64
+SELECT = SelectConfig(budget=0.1)
+WARMUP = 32
+PLOT_LAYERS = (2, 10, 18, 27)
+
+
+@contextlib.contextmanager
+def capture_attention(model, record):
+    """Route attention through sdpa while ``record(layer, query, key)`` sees its inputs."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        record(module.layer_idx, query[0].detach(), key[0].detach())
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("tierkv_capture", attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("tierkv_capture")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def run_document(model, tok, tokens: int, seed: int, steps: int):
+    """Prefill + greedy decode; returns keys per layer (kv, n+steps, d), prompt-tail queries
+    (layers, WARMUP, q_heads, d), decode queries (steps, layers, q_heads, d), prompt length."""
+    import random
+
+    from transformers import DynamicCache
+
+    from tierkv.textgen import make_document, passkey_fact
+
+    doc = make_document(tok, tokens, seed, [passkey_fact(random.Random(seed))])
+    ids = tok(doc, return_tensors="pt")["input_ids"][:, :tokens]
+    tail, decode = {}, []
+
+    def record(layer, query, key):
+        if query.shape[1] > 1:
+            tail[layer] = query[:, -WARMUP:].transpose(0, 1).float()
+        else:
+            decode.append(query[:, 0].float())
+
+    cache = DynamicCache()
+    with torch.no_grad(), capture_attention(model, record):
+        out = model(ids, past_key_values=cache, use_cache=True)
+        for _ in range(steps):
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    layers = len(cache.layers)
+    keys = [layer.keys[0].float() for layer in cache.layers]
+    queries = torch.stack(decode).view(steps, layers, *decode[0].shape)
+    return keys, torch.stack([tail[i] for i in range(layers)]), queries, ids.shape[1]
+
+
+def attention_probs(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of ``query`` (q_heads, d) over ``keys`` (kv, ctx, d), mean over heads."""
+    kv, _, dim = keys.shape
+    logits = torch.einsum("hgd,hnd->hgn", query.view(kv, -1, dim), keys) * dim ** -0.5
+    return logits.softmax(-1).mean((0, 1))
+
+
+def build_tree(keys: torch.Tensor, sealed: int, config: ChunkConfig) -> ChunkTree:
+    """Seal ``[0, sealed)`` in base-size chunks, the last one possibly short."""
+    tree = ChunkTree(config, keys.shape[0], keys.shape[2])
+    for start in range(0, sealed, config.base):
+        end = min(start + config.base, sealed)
+        tree.append_keys(keys[:, start:end], (start, end))
+    return tree
+
+
+def adapt(tree: ChunkTree, probs: torch.Tensor, keys: torch.Tensor) -> None:
+    """One ``update`` from exact attention ``probs`` (ctx,), splits done from ``keys``."""
+    chosen = torch.zeros(tree.num_leaves, dtype=torch.bool)
+    chosen[select_by_scores(tree, probs, SELECT).leaves] = True
+    scores = adaptation_scores(probs, SELECT)
+    changes = tree.update(tree.mass_per_leaf(scores), chosen, scores)
+    for request in changes.splits:
+        tree.split(request, keys[:, request.start:request.end])
+
+
+def fetched_to_reach(tree: ChunkTree, rank: torch.Tensor, probs: torch.Tensor, target: float) -> int:
+    """Tokens outside sinks/window fetched, taking leaves by ``rank`` (desc; leaves over the
+    budget last, as in selection), until the captured mass reaches ``target``."""
+    ctx = probs.numel()
+    costs = leaf_costs(tree, ctx, SELECT)
+    value = adaptation_mass(tree, probs, SELECT).double()
+    free_mass = float(probs.double().sum() - value.sum())  # sinks, window, unsealed tokens
+    if free_mass >= target - 1e-9:
+        return 0
+    rank = torch.where(costs <= SELECT.tokens(ctx), rank, -float("inf"))
+    order = torch.sort(rank, descending=True, stable=True).indices
+    reached = (free_mass + value[order].cumsum(0) >= target - 1e-9).nonzero()
+    return int(costs[order].cumsum(0)[reached[0, 0]]) if reached.numel() else int(costs.sum())
+
+
+def step_metrics(trees: dict, query, probs) -> dict:
+    """Metrics of one decode step for one layer, per case (``trees`` maps case -> tree)."""
+    ctx = probs.numel()
+    out = {"oracle_mass": float(probs.topk(SELECT.tokens(ctx)).values.sum())}
+    for name, tree in trees.items():
+        lka = select_by_query(tree, query, SELECT, ctx, prune=True)
+        out[f"{name}/lka_mass"] = float(probs[lka.tokens].sum())
+        out[f"{name}/evaluations"] = lka.evaluations
+        out[f"{name}/leaves"] = tree.num_leaves
+        out[f"{name}/chunk_mass"] = float(probs[select_by_scores(tree, probs, SELECT).tokens].sum())
+    for name, tree in trees.items():  # the two selection keys of tierkv.select
+        costs = leaf_costs(tree, ctx, SELECT).clamp(min=1)
+        scale = tree.head_dim ** -0.5
+        estimate = chunk_scores(query * scale, tree.kmin, tree.kmax)[1] - costs.float().log()
+        density = adaptation_mass(tree, probs, SELECT) / costs
+        out[f"{name}/exact_fetched"] = fetched_to_reach(tree, density, probs,
+                                                        out["fixed64/chunk_mass"])
+        out[f"{name}/lka_fetched"] = fetched_to_reach(tree, estimate, probs,
+                                                      out["fixed64/lka_mass"])
+    return out
+
+
+def run_layer(keys, tail_queries, queries, prompt) -> tuple[list[dict], dict, torch.Tensor]:
+    """Adapt on the prompt tail, then measure each decode step (adapting online); returns
+    per-step metrics, the trees by case and the mean decode attention (prompt,)."""
+    sealed = prompt - SELECT.window + 1  # every later token is in the recent window
+    trees = {name: build_tree(keys, sealed, config) for name, config in CASES.items()}
+    adaptive = [tree for name, tree in trees.items() if name != "fixed64"]
+    for i, query in enumerate(tail_queries):
+        probs = attention_probs(query, keys[:, :prompt - WARMUP + i + 1])
+        for tree in adaptive:
+            adapt(tree, probs, keys)
+    steps, mean_probs = [], torch.zeros(prompt)
+    for t, query in enumerate(queries):
+        probs = attention_probs(query, keys[:, :prompt + t + 1])
+        steps.append(step_metrics(trees, query, probs))
+        for tree in adaptive:
+            adapt(tree, probs, keys)
+        mean_probs += probs[:prompt] / len(queries)
+    return steps, trees, mean_probs
+
+
+def bookkeeping_ms(tree: ChunkTree, query, probs, keys, repeat: int = 20) -> dict:
+    """Wall time of one layer's per-step work: LKA selection, exact selection + update."""
+    ctx = probs.numel()
+    timings = {}
+    for name, fn in (("lka_select_exhaustive",
+                      lambda: select_by_query(tree, query, SELECT, ctx, prune=False)),
+                     ("lka_select_pruned",
+                      lambda: select_by_query(tree, query, SELECT, ctx, prune=True)),
+                     ("exact_select_and_update", lambda: adapt(tree, probs, keys))):
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        timings[name] = round((time.perf_counter() - t0) / repeat * 1e3, 4)
+    return timings
+
+
+def summarize_case(per_layer: list[list[dict]], trees: list[ChunkTree], name: str) -> dict:
+    """Per-layer means of one case; byte ratios are against fixed64 at equal captured mass."""
+    def mean(layer, key):
+        return sum(step[key] for step in layer) / len(layer)
+
+    def total(key):
+        return sum(mean(s, f"{name}/{key}") for s in per_layer)
+
+    recall = [mean(s, f"{name}/lka_mass") / mean(s, "oracle_mass") for s in per_layer]
+    chunk = [mean(s, f"{name}/chunk_mass") / mean(s, "oracle_mass") for s in per_layer]
+    return {
+        "lka_mass_recall": sum(recall) / len(recall),
+        "lka_mass_recall_layers_2plus": sum(recall[2:]) / len(recall[2:]),
+        "lka_mass_recall_per_layer": [round(r, 4) for r in recall],
+        "chunk_oracle_recall": sum(chunk) / len(chunk),
+        "vs_fixed64_bytes_exact_ranking": total("exact_fetched") / max(
+            sum(mean(s, "fixed64/exact_fetched") for s in per_layer), 1),
+        "vs_fixed64_bytes_lka_ranking": total("lka_fetched") / max(
+            sum(mean(s, "fixed64/lka_fetched") for s in per_layer), 1),
+        "evaluations_per_step_pruned": total("evaluations"),
+        "evaluations_per_step_exhaustive": total("leaves"),
+        "leaves_per_layer": [t.num_leaves for t in trees],
+        "desert_fraction": [round(float(t.sizes[t.cold > 0].sum()) / t.n, 4) for t in trees],
+    }
+
+
+def summarize_document(per_layer: list[list[dict]], trees: list[dict]) -> dict:
+    cases = {name: summarize_case(per_layer, [t[name] for t in trees], name) for name in CASES}
+    head = cases["adaptive"]
+    return {
+        "lka_mass_recall": head["lka_mass_recall"],
+        "adaptive_vs_fixed_bytes": head["vs_fixed64_bytes_exact_ranking"],
+        "evaluations_per_step": {"adaptive_pruned": head["evaluations_per_step_pruned"],
+                                 "fixed64_exhaustive": cases["fixed64"][
+                                     "evaluations_per_step_exhaustive"]},
+        "desert_fraction": head["desert_fraction"],
+        "cases": cases,
+    }
+
+
+def plot(path, trees, mean_probs, layers) -> None:
+    fig, axes = plt.subplots(len(layers), 1, figsize=(12, 2.4 * len(layers)), sharex=True)
+    for ax, layer in zip(axes, layers):
+        tree, probs = trees[layer], mean_probs[layer]
+        for i, (a, b) in enumerate(zip(tree.bounds.tolist(), tree.bounds[1:].tolist())):
+            cold = bool(tree.cold[i] > 0)
+            ax.axvspan(a, b, color="#d0d0d0" if cold else ("#cfe3f7" if i % 2 else "#f7e3cf"),
+                       lw=0)
+        ax.semilogy(probs.clamp(min=1e-7).numpy(), lw=0.6, color="black")
+        ax.set_ylabel(f"layer {layer}\nattention")
+        ax.set_title(f"layer {layer}: {tree.num_leaves} leaves (grey: cold / desert)", fontsize=9)
+    axes[-1].set_xlabel("token position (prompt)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one 2K document, 4 decode steps")
+    args = parser.parse_args(argv)
+    from tierkv.hf.model import load_model
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)  # bookkeeping timings on one core, as one runtime thread sees it
+    model, tok = load_model("smollm2-135m")
+    docs, steps = ([(2048, 0)], 4) if args.quick else ([(2048, 0), (4096, 1), (8192, 2)], 8)
+    results = {}
+    for tokens, seed in docs:
+        t0 = time.perf_counter()
+        keys, tail, queries, prompt = run_document(model, tok, tokens, seed, steps)
+        runs = [run_layer(k, tail[i], queries[:, i], prompt) for i, k in enumerate(keys)]
+        doc = summarize_document([r[0] for r in runs], [r[1] for r in runs])
+        layer = PLOT_LAYERS[1]
+        probs = attention_probs(queries[-1, layer], keys[layer][:, :prompt + steps])
+        doc["bookkeeping_ms_per_layer"] = bookkeeping_ms(runs[layer][1]["adaptive"],
+                                                         queries[-1, layer], probs, keys[layer])
+        doc["seconds"] = time.perf_counter() - t0
+        results[f"{prompt}_tokens"] = doc
+        plot(RESULTS / "selection.png", [r[1]["adaptive"] for r in runs], [r[2] for r in runs],
+             PLOT_LAYERS)
+        report(prompt, doc)
+    config = {"cases": {name: vars(c) for name, c in CASES.items()}, "select": vars(SELECT),
+              "warmup_positions": WARMUP, "decode_steps": steps, "quick": args.quick}
+    print(write_result("selection", {"config": config, "documents": results}))
+
+
+def report(prompt: int, doc: dict) -> None:
+    print(f"--- {prompt} tokens, budget {SELECT.budget:.0%} ({doc['seconds']:.0f} s)")
+    print(f"{'case':14s} {'lka_recall':>10s} {'layers2+':>9s} {'chunk_orc':>9s} "
+          f"{'bytes/fixed':>11s} {'bytes(lka)':>10s} {'evals_pruned':>12s} {'leaves':>7s}")
+    for name, c in doc["cases"].items():
+        print(f"{name:14s} {c['lka_mass_recall']:10.3f} {c['lka_mass_recall_layers_2plus']:9.3f} "
+              f"{c['chunk_oracle_recall']:9.3f} {c['vs_fixed64_bytes_exact_ranking']:11.3f} "
+              f"{c['vs_fixed64_bytes_lka_ranking']:10.3f} "
+              f"{c['evaluations_per_step_pruned']:12.0f} {c['evaluations_per_step_exhaustive']:7.0f}")
+    print("bookkeeping ms / layer:", doc["bookkeeping_ms_per_layer"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""The disk tier: format round trips, reopen, latest-wins, deletion, compaction, hostile input."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import struct
+
+import pytest
+import torch
+
+from tierkv.config import CodecConfig
+from tierkv.storage import CorruptRecordError, DiskTier, RecordKey, TierFullError
+from tierkv.storage.manifest import MANIFEST, encode_manifest
+from tierkv.storage.segment import HEADER
+
+LOSSY = CodecConfig(codec="auto", allow_lossy=True)
+
+
+def _key(doc="doc", group=0, start=0, end=16):
+    return RecordKey(doc, group, start, end)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("codec", ["raw", "zstd", "int8", "int4"])
+def test_every_codec_round_trips_through_disk(tmp_path, make_block, blocks_equal, codec, dtype):
+    key = _key(end=64)
+    block = make_block(key, head_dim=64, dtype=dtype)
+    with DiskTier(tmp_path, codec=LOSSY) as tier:
+        tier.put(key, block, codec=codec)
+    with DiskTier(tmp_path, codec=LOSSY) as tier:
+        got = tier.get(key)
+        assert tier.codec_of(key) == codec
+    if codec in ("raw", "zstd"):
+        assert blocks_equal(got, block)
+    else:
+        assert got.keys.dtype == dtype and got.keys.shape == block.keys.shape
+        tol = 0.1 if codec == "int8" else 0.6
+        assert (got.keys.float() - block.keys.float()).abs().max() < tol
+
+
+def test_lossy_codec_needs_allow_lossy(tmp_path, make_block):
+    with DiskTier(tmp_path) as tier, pytest.raises(ValueError, match="lossy"):
+        tier.put(_key(), make_block(_key()), codec="int4")
+
+
+def test_reopen_rebuilds_index_and_manifest(tmp_path, make_block, blocks_equal):
+    keys = [_key(f"d{i % 3}", i % 2, 16 * i, 16 * i + 16) for i in range(30)]
+    with DiskTier(tmp_path, segment_size=8192) as tier:
+        for key in keys:
+            tier.put(key, make_block(key))
+        tier.set_doc_meta("d1", {"tokens": 480, "name": "x"}, {"kmin": torch.arange(6.0)})
+    with DiskTier(tmp_path, segment_size=8192) as tier:
+        assert tier.open_report["manifest"] == "ok" and tier.open_report["records"] == 30
+        assert tier.open_report["segments"] > 1 and not tier.open_report["dropped"]
+        assert sorted(tier.keys()) == sorted(keys) and tier.docs() == ["d0", "d1", "d2"]
+        meta, arrays = tier.doc_meta("d1")
+        assert meta == {"tokens": 480, "name": "x"}
+        assert torch.equal(arrays["kmin"], torch.arange(6.0))
+        assert all(blocks_equal(b, make_block(k)) for k, b in zip(keys, tier.get_many(keys)))
+        assert all(entry["ok"] for entry in tier.check())
+
+
+def test_reopen_without_manifest_keeps_records(tmp_path, make_block):
+    with DiskTier(tmp_path) as tier:
+        tier.put(_key(), make_block(_key()))
+    os.unlink(tmp_path / MANIFEST)
+    with DiskTier(tmp_path) as tier:
+        assert tier.open_report["manifest"] == "missing" and tier.keys() == [_key()]
+
+
+def test_latest_put_wins_and_remove_survives_reopen(tmp_path, make_block, blocks_equal):
+    a, b = _key("a"), _key("b")
+    with DiskTier(tmp_path) as tier:
+        tier.put(a, make_block(b))
+        tier.put(a, make_block(a))
+        tier.put(b, make_block(b))
+        assert tier.remove(b) > 0 and b not in tier
+    with DiskTier(tmp_path) as tier:
+        assert tier.keys() == [a] and blocks_equal(tier.get(a), make_block(a))
+        with pytest.raises(KeyError):
+            tier.get(b)
+
+
+def test_delete_doc_reclaims_and_compacts(tmp_path, make_block, blocks_equal):
+    keep = [_key("keep", 0, 16 * i, 16 * i + 16) for i in range(4)]
+    drop = [_key("drop", 0, 16 * i, 16 * i + 16) for i in range(40)]
+    with DiskTier(tmp_path, segment_size=16384, codec=CodecConfig("raw")) as tier:
+        for i, key in enumerate(drop):
+            tier.put(key, make_block(key))
+            if i % 10 == 0:
+                tier.put(keep[i // 10], make_block(keep[i // 10]))
+        before = sum(p.stat().st_size for p in tmp_path.glob("seg-*.tkv"))
+        tier.set_doc_meta("drop", {"x": 1}, {})
+        deleted, compacted = tier.delete_doc("drop")
+        after = sum(p.stat().st_size for p in tmp_path.glob("seg-*.tkv"))
+        assert deleted + compacted > 0 and after < before / 4
+        assert sorted(tier.keys()) == sorted(keep) and tier.docs() == ["keep"]
+    with DiskTier(tmp_path) as tier:
+        assert sorted(tier.keys()) == sorted(keep) and tier.docs() == ["keep"]
+        assert all(blocks_equal(tier.get(k), make_block(k)) for k in keep)
+        tier.put(drop[0], make_block(drop[0]))  # the name can be used again
+    with DiskTier(tmp_path) as tier:
+        assert sorted(tier.keys()) == sorted(keep + drop[:1])
+
+
+def test_read_raw_many_then_decode(tmp_path, make_block, blocks_equal):
+    keys = [_key("d", g, 0, 8 + g) for g in range(6)]
+    with DiskTier(tmp_path, io_threads=3) as tier:
+        for key in keys:
+            tier.put(key, make_block(key), codec="raw" if key.group % 2 else "zstd")
+        raws = tier.read_raw_many(keys[::-1])
+        assert [r.key for r in raws] == keys[::-1]
+        assert raws[0].shape == (2, 2, 13, 8) and raws[0].dtype == torch.float32
+        assert all(blocks_equal(tier.decode(r), make_block(r.key)) for r in raws)
+        assert tier.bytes_read > 0 and tier.bytes_written >= tier.used
+        with pytest.raises(KeyError):
+            tier.read_raw_many([_key("nope")])
+
+
+def test_async_api(tmp_path, make_block, blocks_equal):
+    async def main(tier):
+        await asyncio.gather(*(tier.aput(_key(end=e), make_block(_key(end=e)))
+                               for e in range(1, 9)))
+        return await asyncio.gather(*(tier.aget(_key(end=e)) for e in range(1, 9)))
+    with DiskTier(tmp_path) as tier:
+        got = asyncio.run(main(tier))
+    assert all(blocks_equal(b, make_block(_key(end=e))) for e, b in zip(range(1, 9), got))
+
+
+def test_disk_budget(tmp_path, make_block):
+    with DiskTier(tmp_path, budget=3000, codec=CodecConfig("raw")) as tier:
+        tier.put(_key(end=8), make_block(_key(end=8)))
+        with pytest.raises(TierFullError):
+            tier.put(_key(end=9), make_block(_key(end=9)))
+        assert tier.used <= 3000 and len(tier) == 1
+
+
+@pytest.mark.parametrize("bad", [dict(io_threads=0), dict(segment_size="1k"), dict(codec="zstd"),
+                                 dict(budget="much")])
+def test_bad_arguments_are_named(tmp_path, bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        DiskTier(tmp_path, **bad)
+
+
+@pytest.mark.parametrize("doc", ["../x", "a/b", "/abs", ".hidden", "", "x" * 65])
+def test_hostile_doc_names_refused(tmp_path, doc):
+    with DiskTier(tmp_path) as tier, pytest.raises(ValueError, match="doc"):
+        tier.set_doc_meta(doc, {}, {})
+
+
+def test_hostile_array_names_and_meta_refused(tmp_path):
+    with DiskTier(tmp_path) as tier:
+        with pytest.raises(ValueError, match="array name"):
+            tier.set_doc_meta("d", {}, {"../x": torch.zeros(1)})
+        with pytest.raises(ValueError, match="JSON"):
+            tier.set_doc_meta("d", {"f": float("nan")}, {})
+
+
+def test_symlinked_segment_and_manifest_refused(tmp_path, make_block):
+    outside = tmp_path / "outside"
+    inside = tmp_path / "kv"
+    with DiskTier(outside) as tier:
+        tier.put(_key(), make_block(_key()))
+    inside.mkdir()
+    os.symlink(outside / "seg-000001.tkv", inside / "seg-000001.tkv")
+    os.symlink(outside / MANIFEST, inside / MANIFEST)
+    with DiskTier(inside) as tier:
+        assert "seg-000001.tkv" in tier.open_report["refused"]
+        assert tier.open_report["manifest"].startswith("corrupt") and len(tier) == 0
+        tier.put(_key("new"), make_block(_key("new")))
+    assert (outside / "seg-000001.tkv").stat().st_size > 0
+    assert os.path.islink(inside / "seg-000001.tkv")
+
+
+def test_foreign_file_named_like_a_segment_left_alone(tmp_path, make_block, blocks_equal):
+    text = b"my precious notes, not a tierkv segment\n" * 100
+    (tmp_path / "seg-000001.tkv").write_bytes(text)
+    with DiskTier(tmp_path) as tier:
+        assert "seg-000001.tkv" in tier.open_report["foreign"]
+        tier.put(_key(), make_block(_key()))
+    assert (tmp_path / "seg-000001.tkv").read_bytes() == text
+    with DiskTier(tmp_path) as tier:
+        assert blocks_equal(tier.get(_key()), make_block(_key()))
+
+
+def test_manifest_with_absurd_offsets_set_aside(tmp_path, make_block):
+    with DiskTier(tmp_path) as tier:
+        tier.put(_key(), make_block(_key()))
+    index = {f: [v] for f, v in dict(segment=1, offset=-5, length=1 << 50, group=0, start=0,
+                                     end=16, codec=1, seq=1, doc=0).items()}
+    (tmp_path / MANIFEST).write_bytes(encode_manifest(index, ["doc"], {}, {}))
+    with DiskTier(tmp_path) as tier:
+        report = tier.open_report["manifest"]
+        assert "impossible" in report and "moved aside" in report and len(tier) == 1
+    assert list(tmp_path.glob("manifest.corrupt-*.safetensors"))
+
+
+def test_manifest_header_length_absurd(tmp_path, make_block):
+    with DiskTier(tmp_path) as tier:
+        tier.put(_key(), make_block(_key()))
+    (tmp_path / MANIFEST).write_bytes(struct.pack("<Q", 1 << 60) + json.dumps({}).encode())
+    with DiskTier(tmp_path) as tier:
+        assert "absurd" in tier.open_report["manifest"] and len(tier) == 1
+
+
+def test_corrupt_payload_raises_never_returns(tmp_path, make_block):
+    with DiskTier(tmp_path, codec=CodecConfig("raw")) as tier:
+        tier.put(_key(), make_block(_key()))
+        path = tmp_path / "seg-000001.tkv"
+        data = bytearray(path.read_bytes())
+        data[HEADER.size + 40] ^= 0x10
+        path.write_bytes(bytes(data))
+        with pytest.raises(CorruptRecordError, match="crc32"):
+            tier.get(_key())
+        assert tier.check()[0]["ok"] is False
+
+
+def test_directory_path_validation(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OSError):
+        DiskTier(tmp_path / "file")
+    with pytest.raises(ValueError, match="path"):
+        DiskTier("")
+
+
+def test_removed_records_reclaimed(tmp_path, make_block, blocks_equal):
+    keys = [_key("d", 0, 16 * i, 16 * i + 16) for i in range(20)]
+    with DiskTier(tmp_path, segment_size=8192, codec=CodecConfig("raw")) as tier:
+        for key in keys:
+            tier.put(key, make_block(key))
+        for key in keys[:15]:
+            tier.remove(key)
+        deleted, compacted = tier.reclaim()
+        assert deleted > 0 and sorted(tier.keys()) == keys[15:]
+    with DiskTier(tmp_path) as tier:
+        assert sorted(tier.keys()) == keys[15:]
+        assert all(blocks_equal(tier.get(k), make_block(k)) for k in keys[15:])

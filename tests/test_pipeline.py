@@ -1,0 +1,393 @@
+"""Pipeline, plan, device cache and metrics, over a small in-memory store with a fake disk."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import CancelledError
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from tierkv.pipeline import (DeviceCache, FetchError, FetchPlan, Metrics, Pipeline,
+                             PipelineClosedError)
+from tierkv.shapes import KVShape
+from tierkv.storage.base import CorruptRecordError, KVBlock, RecordKey, Tier
+from tierkv.storage.codec import codec_by_id, decode_block, encode_block, make_codec
+
+SHAPE = KVShape(layers=4, kv_heads=2, head_dim=8, dtype=torch.float16)
+CPU = torch.device("cpu")
+
+
+class DictTier(Tier):
+    def __init__(self, name, budget):
+        super().__init__(budget)
+        self.name = name
+        self._data = {}
+
+    def _store(self, key, block):
+        self._data[key] = block
+        return block.nbytes
+
+    def _load(self, key):
+        return self._data[key]
+
+    def _drop(self, key):
+        del self._data[key]
+
+
+class RawRecord(NamedTuple):
+    key: RecordKey
+    codec: int
+    dtype: torch.dtype
+    shape: tuple
+    payload: bytes
+
+
+class FakeDisk:
+    """read_raw_many / decode over real codecs; ``delay`` s per batch, ``bad`` keys fail."""
+
+    def __init__(self):
+        self.records: dict[RecordKey, RawRecord] = {}
+        self.delay = 0.0
+        self.bad: set[RecordKey] = set()
+        self.reads = 0
+        self.started = threading.Event()
+
+    def put(self, key, block, codec="raw"):
+        c = make_codec(codec)
+        self.records[key] = RawRecord(key, c.id, block.keys.dtype, tuple(block.keys.shape),
+                                      encode_block(c, block))
+
+    def read_raw_many(self, keys):
+        self.started.set()
+        self.reads += len(keys)
+        time.sleep(self.delay)
+        for key in keys:
+            if key in self.bad:
+                raise CorruptRecordError(f"crc mismatch in {key}")
+        return [self.records[k] for k in keys]
+
+    def decode(self, raw):
+        return decode_block(codec_by_id(raw.codec), raw.payload, raw.dtype, raw.shape)
+
+
+class FakeStore:
+    def __init__(self, device_budget=1 << 20):
+        self.shape = SHAPE
+        self.device = DictTier("device", device_budget)
+        self.host = DictTier("host", None)
+        self.disk = FakeDisk()
+
+    def where(self, key):
+        for name in ("device", "host"):
+            if key in getattr(self, name):
+                return name
+        return "disk" if key in self.disk.records else None
+
+    def fetch(self, keys, device):
+        out = []
+        for key in keys:
+            where = self.where(key)
+            block = self.disk.decode(self.disk.records[key]) if where == "disk" else \
+                getattr(self, where).get(key)
+            out.append(block.to(device))
+        return out
+
+
+def make_block(key, seed=None):
+    g = torch.Generator().manual_seed(seed if seed is not None else hash(key) % 2**31)
+    shape = (SHAPE.layers, SHAPE.kv_heads, key.tokens, SHAPE.head_dim)
+    return KVBlock(torch.randn(shape, generator=g).half(), torch.randn(shape, generator=g).half())
+
+
+def filled_store(groups=3, chunks=6, size=16, device_budget=1 << 20):
+    """Chunks of each group spread over device, host and disk (raw and zstd)."""
+    store = FakeStore(device_budget)
+    keys = {}
+    for g in range(groups):
+        keys[g] = [RecordKey("doc", g, i * size, (i + 1) * size) for i in range(chunks)]
+        for i, key in enumerate(keys[g]):
+            block = make_block(key, seed=g * 100 + i)
+            if i % 3 == 0:
+                store.host.put(key, block)
+            else:
+                store.disk.put(key, block, "zstd" if i % 3 == 1 else "raw")
+    store.device.put(keys[0][4], store.disk.decode(store.disk.records.pop(keys[0][4])))
+    return store, keys
+
+
+def sync_reference(store, keys):
+    blocks = store.fetch(keys, CPU)
+    return torch.cat([b.keys for b in blocks], 2), torch.cat([b.values for b in blocks], 2)
+
+
+def assert_identical(block, reference):
+    assert torch.equal(block.keys, reference[0]) and torch.equal(block.values, reference[1])
+    assert block.keys.shape == (SHAPE.layers, SHAPE.kv_heads, reference[0].shape[2], SHAPE.head_dim)
+
+
+# -- plans ----------------------------------------------------------------------------------
+def test_plan_dedupes_keeping_order():
+    a, b = RecordKey("d", 0, 0, 4), RecordKey("d", 0, 4, 8)
+    plan = FetchPlan([(0, [b, a, b, a])], importance={a: 2.0})
+    assert plan.groups[0].keys == (b, a)
+    assert plan.groups[0].importance == (0.0, 2.0)
+
+
+@pytest.mark.parametrize("groups, match", [
+    ([(0, [RecordKey("d", 1, 0, 4)])], "belongs to group 1"),
+    ([(0, [RecordKey("d", 0, 0, 4)]), (0, [RecordKey("d", 0, 4, 8)])], "listed twice"),
+    ([(0, [])], "no keys"),
+    ([(-1, [RecordKey("d", 0, 0, 4)])], "non-negative"),
+    ([(0, ["not a key"])], "not a RecordKey"),
+])
+def test_plan_rejects_bad_groups(groups, match):
+    with pytest.raises(ValueError, match=match):
+        FetchPlan(groups)
+
+
+def test_out_of_range_group_fails_at_submit():
+    store, _ = filled_store()
+    with Pipeline(store, CPU, groups=3) as pipe:
+        with pytest.raises(ValueError, match="group 3 is out of range"):
+            pipe.submit(FetchPlan([(3, [RecordKey("doc", 3, 0, 16)])]))
+
+
+def test_unknown_key_surfaces_at_wait_of_its_group_only():
+    store, keys = filled_store()
+    ghost = RecordKey("doc", 1, 999, 1000)
+    plan = FetchPlan([(0, keys[0]), (1, keys[1] + [ghost]), (2, keys[2])])
+    with Pipeline(store, CPU) as pipe:
+        step = pipe.submit(plan)
+        assert_identical(step.wait(0), sync_reference(store, keys[0]))
+        with pytest.raises(FetchError, match="999, end=1000.*unknown record"):
+            step.wait(1)
+        assert_identical(step.wait(2), sync_reference(store, keys[2]))
+        with pytest.raises(ValueError, match="not in this step"):
+            step.wait(5)
+
+
+# -- results --------------------------------------------------------------------------------
+def test_bit_identical_to_sync_fetch_and_cache_reuses_hits():
+    store, keys = filled_store()
+    metrics = Metrics()
+    plan = FetchPlan([(g, keys[g][::-1]) for g in (2, 0, 1)])
+    with Pipeline(store, CPU, threads=2, metrics=metrics) as pipe:
+        for _ in range(2):
+            metrics.step_begin()
+            step = pipe.submit(plan)
+            for g in (2, 0, 1):
+                assert_identical(step.wait(g), sync_reference(store, keys[g][::-1]))
+            metrics.step_end()
+        first, second = metrics.step(0), metrics.step(1)
+    assert first["records"]["disk"] == 11 and first["records"]["cache"] == 0
+    assert second["records"]["disk"] == 0 and second["records"]["cache"] == 11
+    assert second["records"]["host"] == 6 and second["records"]["device"] == 1
+    assert store.disk.reads == 11
+    assert first["codec_mix"] == {"raw": 6, "zstd": 5}
+    total = metrics.summary()["total"]
+    assert total["cache_hit_rate"] == pytest.approx(11 / 36, abs=1e-4)
+    assert "stall frac" in metrics.format_table()
+
+
+def test_delivered_block_is_not_the_cached_copy():
+    store, keys = filled_store()
+    plan = FetchPlan([(1, keys[1])])
+    with Pipeline(store, CPU) as pipe:
+        pipe.submit(plan).wait(1).keys.zero_()
+        assert_identical(pipe.submit(plan).wait(1), sync_reference(store, keys[1]))
+
+
+def test_cache_respects_device_budget():
+    record = 4096
+    store, keys = filled_store(device_budget=4 * record)  # the device tier holds one record
+    assert store.device.used == record
+    with Pipeline(store, CPU) as pipe:
+        for g in range(3):
+            pipe.submit(FetchPlan([(g, keys[g])])).wait(g)
+            assert store.device.used <= store.device.budget
+        assert len(pipe.cache) == 3 and pipe.cache.used == 3 * record
+        assert store.where(keys[0][4]) == "device"   # the store's own record was not evicted
+
+
+# -- failures -------------------------------------------------------------------------------
+def test_worker_failure_mid_plan_names_the_record():
+    store, keys = filled_store()
+    bad = keys[1][2]
+    store.disk.bad.add(bad)
+    plan = FetchPlan([(g, keys[g]) for g in range(3)])
+    with Pipeline(store, CPU) as pipe:
+        step = pipe.submit(plan)
+        with pytest.raises(FetchError) as info:
+            step.wait(1)
+        assert info.value.key == bad and info.value.group == 1
+        assert "crc mismatch" in str(info.value) and str(bad) in str(info.value)
+        assert isinstance(info.value.__cause__, CorruptRecordError)
+        assert_identical(step.wait(0), sync_reference(store, keys[0]))
+        assert_identical(step.wait(2), sync_reference(store, keys[2]))
+        with pytest.raises(FetchError):
+            pipe.submit(plan).wait(1)
+
+
+def test_os_error_from_read_surfaces(monkeypatch):
+    store, keys = filled_store()
+
+    def broken(keys):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(store.disk, "read_raw_many", broken)
+    with Pipeline(store, CPU) as pipe:
+        with pytest.raises(FetchError, match="OSError.*Input/output error"):
+            pipe.submit(FetchPlan([(0, keys[0])])).wait(0)
+
+
+def test_close_with_reads_in_flight_does_not_hang():
+    store, keys = filled_store()
+    store.disk.delay = 0.5
+    pipe = Pipeline(store, CPU, threads=2)
+    step = pipe.submit(FetchPlan([(g, keys[g]) for g in range(3)]))
+    assert store.disk.started.wait(5)
+    start = time.perf_counter()
+    pipe.close(timeout=2.0)
+    for g in range(3):
+        with pytest.raises(PipelineClosedError):
+            step.wait(g, timeout=2)
+    assert time.perf_counter() - start < 2.5
+    assert pipe.close(timeout=2.0)  # idempotent; the in-flight reads have ended by now
+    with pytest.raises(PipelineClosedError):
+        pipe.submit(FetchPlan([(0, keys[0])]))
+
+
+def test_cancel_and_wait_timeout():
+    store, keys = filled_store()
+    store.disk.delay = 0.3
+    with Pipeline(store, CPU, threads=1) as pipe:
+        step = pipe.submit(FetchPlan([(g, keys[g]) for g in range(3)]))
+        with pytest.raises(TimeoutError):
+            step.wait(0, timeout=0.01)
+        step.cancel()
+        with pytest.raises(CancelledError):
+            step.wait(2)
+
+
+# -- device cache ---------------------------------------------------------------------------
+def _blk(key, nbytes):
+    half = torch.zeros(nbytes // 4, dtype=torch.float16).view(1, 1, key.tokens, -1)
+    return KVBlock(half, half.clone())
+
+
+def test_device_cache_evicts_by_importance_then_age():
+    tier = DictTier("device", 300)
+    cache = DeviceCache(tier)
+    keys = [RecordKey("d", 0, i, i + 1) for i in range(5)]
+    assert cache.admit(keys[0], _blk(keys[0], 100), 1.0)
+    assert cache.admit(keys[1], _blk(keys[1], 100), 5.0)
+    assert cache.admit(keys[2], _blk(keys[2], 100), 1.0)
+    assert cache.get(keys[0]) is not None          # keys[0] is now younger than keys[2]
+    assert cache.admit(keys[3], _blk(keys[3], 100), 1.0)      # evicts keys[2]: as important, older
+    assert keys[2] not in cache and keys[0] in cache
+    assert not cache.admit(keys[4], _blk(keys[4], 300), 2.0)  # would need to evict the 5.0 record
+    assert len(cache) == 3 and tier.used == 300
+    assert cache.admit(keys[4], _blk(keys[4], 200), 2.0)      # evicts the two 1.0 records
+    assert {k for k in keys if k in cache} == {keys[1], keys[4]}
+    assert (cache.hits, cache.misses) == (1, 0)
+
+
+def test_device_cache_leaves_others_records_and_forgets_removed_ones():
+    tier = DictTier("device", 200)
+    own = RecordKey("d", 0, 0, 1)
+    tier.put(own, _blk(own, 100))                     # the store's own device record
+    cache = DeviceCache(tier)
+    mine = RecordKey("d", 0, 5, 6)
+    assert cache.admit(mine, _blk(mine, 100), 0.0)
+    assert not cache.admit(RecordKey("d", 0, 7, 8), _blk(RecordKey("d", 0, 7, 8), 200), 9.0)
+    tier.remove(mine)                                 # e.g. KVStore.put rewrote the record
+    assert cache.get(mine) is None and len(cache) == 0
+    with pytest.raises(ValueError, match="Tier"):
+        DeviceCache(object())
+
+
+# -- the real store -------------------------------------------------------------------------
+def test_real_store_bit_identical_and_cached(tmp_path):
+    from tierkv.config import TierConfig
+    from tierkv.storage.store import KVStore
+
+    record = 4096
+    config = TierConfig(device_budget=8 * record, host_budget=4 * record, disk_dir=tmp_path,
+                        device="cpu")
+    keys = {g: [RecordKey("doc", g, i * 16, (i + 1) * 16) for i in range(6)] for g in range(3)}
+    with KVStore(SHAPE, config) as store:
+        for g, group in keys.items():
+            for i, key in enumerate(group):
+                store.put(key, make_block(key, seed=g * 10 + i), codec=("raw", "zstd")[i % 2])
+        assert {store.where(k) for g in keys for k in keys[g]} == {"host", "disk"}
+        plan = FetchPlan([(g, keys[g]) for g in (1, 0, 2)])
+        with Pipeline(store, CPU) as pipe:
+            for _ in range(2):
+                step = pipe.submit(plan)
+                for g in (1, 0, 2):
+                    assert_identical(step.wait(g), sync_reference(store, keys[g]))
+            assert pipe.cache.hits > 0 and store.device.used <= store.device.budget
+
+
+def test_metrics_steps_and_loose_records():
+    metrics = Metrics()
+    metrics.record_delivery("disk", 100)           # outside a step: counts towards the next
+    metrics.step_begin()
+    metrics.record_stall(0.01)
+    time.sleep(0.02)
+    metrics.step_end()
+    metrics.record_delivery("cache", 50)
+    assert metrics.steps == 1 and metrics.step(0)["bytes"]["disk"] == 100
+    summary = metrics.summary()
+    assert summary["total"]["bytes"] == {"cache": 50, "device": 0, "host": 0, "disk": 100}
+    assert 0 < summary["stall_frac_per_step"][0] < 0.5
+    with pytest.raises(ValueError, match="source"):
+        metrics.record_delivery("tape", 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pinned_staging_side_stream_bit_identical():
+    cuda = torch.device("cuda")
+    store, keys = filled_store()
+    from tierkv.storage.device import DeviceTier
+
+    gpu = DeviceTier(1 << 20, cuda)
+    for key in store.device.keys():
+        gpu.put(key, store.device.get(key))
+    store.device = gpu
+    plan = FetchPlan([(g, keys[g]) for g in range(3)])
+    with Pipeline(store, cuda) as pipe:
+        for _ in range(2):
+            step = pipe.submit(plan)
+            for g in range(3):
+                block = step.wait(g)
+                assert block.keys.device.type == "cuda"
+                reference = sync_reference(store, keys[g])
+                assert torch.equal(block.keys.cpu(), reference[0])
+                assert torch.equal(block.values.cpu(), reference[1])
+
+
+def test_real_disk_corrupt_record_named(tmp_path):
+    from tierkv.config import TierConfig
+    from tierkv.storage.store import KVStore
+
+    config = TierConfig(device_budget=0, host_budget=0, disk_dir=tmp_path, device="cpu")
+    keys = [RecordKey("doc", 0, i * 16, (i + 1) * 16) for i in range(4)]
+    with KVStore(SHAPE, config) as store:
+        for key in keys:
+            store.disk.put(key, make_block(key), codec="raw")
+        store.disk.flush()
+        segment = next(tmp_path.glob("seg-*"))
+        data = bytearray(segment.read_bytes())
+        data[-1] ^= 0xFF                     # the tail of the last record written
+        segment.write_bytes(bytes(data))
+        with Pipeline(store, CPU) as pipe:
+            step = pipe.submit(FetchPlan([(0, keys)]))
+            with pytest.raises(FetchError) as info:
+                step.wait(0)
+            assert info.value.key == keys[-1]
+            ok = pipe.submit(FetchPlan([(0, keys[:3])])).wait(0)
+            assert_identical(ok, sync_reference(store, keys[:3]))

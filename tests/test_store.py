@@ -1,0 +1,131 @@
+"""KVStore: host first, coldest spill to disk, budgets, fetch, removal."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tierkv.config import CodecConfig, TierConfig
+from tierkv.shapes import KVShape
+from tierkv.storage import KVStore, RecordKey, TierFullError
+
+SHAPE = KVShape(layers=2, kv_heads=2, head_dim=8)
+BLOCK = 2 * 2 * 2 * 16 * 8 * 4  # bytes of a 16-token block
+
+
+def _store(tmp_path, host=4 * BLOCK, disk=True, **kw):
+    cfg = TierConfig(device_budget="1MB", host_budget=host, device="cpu",
+                     disk_dir=tmp_path / "kv" if disk else None, **kw)
+    return KVStore(SHAPE, cfg)
+
+
+def _key(i, doc="doc"):
+    return RecordKey(doc, 0, 16 * i, 16 * i + 16)
+
+
+def test_coldest_spill_first(tmp_path, make_block, blocks_equal):
+    with _store(tmp_path) as store:
+        for i, imp in enumerate([5.0, 1.0, 3.0, 0.5]):
+            store.put(_key(i), make_block(_key(i)), importance=imp)
+        store.put(_key(4), make_block(_key(4)), importance=9.0)
+        assert store.where(_key(3)) == "disk"
+        store.set_importance(_key(0), -1.0)
+        store.put(_key(5), make_block(_key(5)), importance=9.0)
+        assert store.where(_key(0)) == "disk" and store.where(_key(1)) == "host"
+        assert all(blocks_equal(store.get(_key(i)), make_block(_key(i))) for i in range(6))
+        stats = store.stats()
+        assert stats["host_records"] == 4 and stats["disk_records"] == 2
+        assert stats["disk_bytes_written"] > 0 and stats["host_bytes"] <= 4 * BLOCK
+
+
+def test_ties_spill_oldest(tmp_path, make_block):
+    with _store(tmp_path) as store:
+        for i in range(6):
+            store.put(_key(i), make_block(_key(i)))
+        assert [store.where(_key(i)) for i in range(6)] == ["disk"] * 2 + ["host"] * 4
+
+
+def test_no_disk_full_loses_nothing(tmp_path, make_block, blocks_equal):
+    with _store(tmp_path, disk=False) as store:
+        for i in range(4):
+            store.put(_key(i), make_block(_key(i)))
+        with pytest.raises(TierFullError):
+            store.put(_key(4), make_block(_key(4)))
+        assert store.where(_key(4)) is None
+        assert all(blocks_equal(store.get(_key(i)), make_block(_key(i))) for i in range(4))
+
+
+def test_oversized_record_goes_to_disk(tmp_path, make_block, blocks_equal):
+    with _store(tmp_path, host=BLOCK // 2) as store:
+        store.put(_key(0), make_block(_key(0)))
+        assert store.where(_key(0)) == "disk"
+        assert blocks_equal(store.get(_key(0)), make_block(_key(0)))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_budgets_hold_under_random_ops(tmp_path, make_block, blocks_equal, seed):
+    rng = random.Random(seed)
+    live = set()
+    with _store(tmp_path, host=3 * BLOCK + 100, disk_budget=40 * BLOCK) as store:
+        for _ in range(150):
+            key = RecordKey(f"d{rng.randrange(2)}", rng.randrange(2), 0, rng.randrange(1, 24))
+            op = rng.random()
+            if op < 0.6:
+                store.put(key, make_block(key), importance=rng.random())
+                live.add(key)
+            elif op < 0.8:
+                store.remove(key)
+                live.discard(key)
+            elif live:
+                probe = rng.choice(sorted(live))
+                assert blocks_equal(store.get(probe), make_block(probe))
+            assert store.host.used <= store.host.budget
+            assert store.disk.used <= store.disk.budget
+        assert {k for k in live if store.where(k)} == live
+        got = store.fetch(sorted(live), "cpu")
+        assert all(blocks_equal(b, make_block(k)) for k, b in zip(sorted(live), got))
+
+
+def test_fetch_mixed_tiers(tmp_path, make_block, blocks_equal):
+    with _store(tmp_path, host=2 * BLOCK) as store:
+        keys = [_key(i) for i in range(5)]
+        for key in keys:
+            store.put(key, make_block(key))
+        store.device.put(keys[4], make_block(keys[4]))
+        assert store.where(keys[4]) == "device" and store.where(keys[0]) == "disk"
+        got = store.fetch(keys[::-1], torch.device("cpu"))
+        assert all(blocks_equal(b, make_block(k)) for k, b in zip(keys[::-1], got))
+        with pytest.raises(KeyError):
+            store.fetch([_key(9)], "cpu")
+
+
+def test_remove_and_delete_doc(tmp_path, make_block):
+    with _store(tmp_path, host=2 * BLOCK) as store:
+        for i in range(4):
+            store.put(_key(i, "a"), make_block(_key(i, "a")))
+            store.put(_key(i, "b"), make_block(_key(i, "b")))
+        assert store.remove(_key(0, "b")) and not store.remove(_key(0, "b"))
+        store.delete_doc("a")
+        assert all(store.where(_key(i, "a")) is None for i in range(4))
+        assert [store.where(_key(i, "b")) for i in range(4)].count(None) == 1
+        with pytest.raises(KeyError):
+            store.set_importance(_key(0, "a"), 1.0)
+    with _store(tmp_path, host=2 * BLOCK) as store:
+        assert {k.doc for k in store.disk.keys()} == {"b"} and "a" not in store.disk.docs()
+
+
+def test_codec_choice_reaches_disk(tmp_path, make_block):
+    with _store(tmp_path, host=BLOCK, codec=CodecConfig("raw")) as store:
+        store.put(_key(0), make_block(_key(0)), codec="zstd")
+        store.put(_key(1), make_block(_key(1)))
+        assert store.disk.codec_of(_key(0)) == "zstd"
+
+
+def test_shape_validation(tmp_path, make_block):
+    with _store(tmp_path) as store:
+        for bad in (dict(kv_heads=3), dict(head_dim=4), dict(layers=3), dict(dtype=torch.float16)):
+            with pytest.raises(ValueError, match="KVShape"):
+                store.put(_key(0), make_block(_key(0), **bad))
+        with pytest.raises(ValueError, match="tokens"):
+            store.put(_key(0), make_block(RecordKey("x", 0, 0, 3)))

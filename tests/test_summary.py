@@ -1,0 +1,102 @@
+"""Min/max summaries and the upper-bound score (tierkv.summary)."""
+import pytest
+import torch
+
+from tierkv.summary import (bound_scores, chunk_scores, merge_summaries, rounding_margin,
+                            segment_minmax, summarize, summarize_segments)
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def random_bounds(gen, n, max_len):
+    cuts = [0]
+    while cuts[-1] < n:
+        cuts.append(min(n, cuts[-1] + int(torch.randint(1, max_len + 1, (1,), generator=gen))))
+    return torch.tensor(cuts)
+
+
+def random_keys(gen, kv_heads, n, dim, dtype):
+    """Keys with mixed scales and outlier channels, like post-RoPE keys."""
+    scale = torch.exp(torch.randn(kv_heads, 1, dim, generator=gen) * 1.5)
+    keys = torch.randn(kv_heads, n, dim, generator=gen) * scale
+    return keys.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_bound_never_below_true_max(dtype, group):
+    gen = torch.Generator().manual_seed(10 * DTYPES.index(dtype) + group)
+    kv_heads, dim, n = 3, 64, 6000
+    keys = random_keys(gen, kv_heads, n, dim, dtype)
+    bounds = random_bounds(gen, n, 24)  # ~500 chunks, 1 to 24 tokens
+    kmin, kmax = summarize_segments(keys, bounds)
+    segment = torch.repeat_interleave(torch.arange(bounds.numel() - 1), bounds.diff())
+    k32, k64 = keys.float(), keys.double()
+    for _ in range(10):  # 10 queries x ~500 chunks x 3 GQA groupings x 3 dtypes
+        q = (torch.randn(kv_heads * group, dim, generator=gen) * 4).to(dtype).float()
+        qg = q.view(kv_heads, group, dim)
+        bound = bound_scores(q, kmin, kmax)  # (m, kv_heads, group)
+        for dots in (torch.einsum("hgd,hnd->nhg", qg.double(), k64),
+                     torch.einsum("hgd,hnd->nhg", qg, k32).double()):
+            true_max = torch.full(bound.shape, -float("inf"), dtype=torch.float64)
+            true_max.scatter_reduce_(0, segment[:, None, None].expand_as(dots), dots, "amax")
+            assert bool((bound.double() >= true_max).all())
+
+
+def test_single_key_bound_is_tight():
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randn(2, 50, 32, generator=gen)
+    q = torch.randn(4, 32, generator=gen)
+    kmin, kmax = summarize_segments(keys, torch.arange(51))
+    exact = torch.einsum("hgd,hnd->nhg", q.view(2, 2, 32), keys)
+    assert torch.allclose(bound_scores(q, kmin, kmax), exact, rtol=0, atol=1e-3)
+
+
+def test_segments_match_per_chunk_summaries():
+    gen = torch.Generator().manual_seed(2)
+    keys = random_keys(gen, 2, 300, 16, torch.bfloat16)
+    bounds = random_bounds(gen, 300, 40)
+    kmin, kmax = summarize_segments(keys, bounds)
+    for i, (a, b) in enumerate(zip(bounds.tolist(), bounds[1:].tolist())):
+        lo, hi = summarize(keys[:, a:b])
+        assert torch.equal(kmin[i], lo) and torch.equal(kmax[i], hi)
+        assert lo.dtype == torch.float32
+
+
+def test_merge_equals_summary_of_union():
+    gen = torch.Generator().manual_seed(3)
+    keys = random_keys(gen, 3, 200, 8, torch.float16)
+    kmin, kmax = summarize_segments(keys, random_bounds(gen, 200, 30))
+    lo, hi = merge_summaries(kmin, kmax)
+    whole = summarize(keys)
+    assert torch.equal(lo, whole[0]) and torch.equal(hi, whole[1])
+    outer = torch.tensor([0, 2, kmin.shape[0]])
+    lo2, hi2 = segment_minmax(kmin, kmax, outer)
+    assert torch.equal(lo2[1], merge_summaries(kmin[2:], kmax[2:])[0])
+    assert torch.equal(hi2[0], merge_summaries(kmin[:2], kmax[:2])[1])
+
+
+def test_chunk_scores_reduce_groups_then_heads():
+    gen = torch.Generator().manual_seed(4)
+    kmin = torch.randn(7, 3, 16, generator=gen)
+    kmax = kmin + torch.rand(7, 3, 16, generator=gen)
+    q = torch.randn(12, 16, generator=gen)
+    full = bound_scores(q, kmin, kmax)
+    per_head, per_layer = chunk_scores(q, kmin, kmax)
+    assert per_head.shape == (7, 3) and per_layer.shape == (7,)
+    assert torch.equal(per_head, full.amax(2)) and torch.equal(per_layer, full.amax((1, 2)))
+    assert rounding_margin(q, kmin, kmax).shape == (7,)
+
+
+def test_bad_inputs_raise():
+    keys = torch.randn(2, 10, 8)
+    with pytest.raises(ValueError, match="bounds"):
+        summarize_segments(keys, torch.tensor([0, 5, 5, 10]))
+    with pytest.raises(ValueError, match="bounds"):
+        summarize_segments(keys, torch.tensor([0, 11]))
+    with pytest.raises(ValueError, match="dtype"):
+        summarize(keys.to(torch.int32))
+    with pytest.raises(ValueError, match="keys"):
+        summarize(keys[0])
+    with pytest.raises(ValueError, match="query"):
+        bound_scores(torch.randn(3, 8), *summarize_segments(keys, torch.tensor([0, 10])))

@@ -1,0 +1,180 @@
+"""The adaptive chunk tree (tierkv.tree): tiling, merge / split, payload records."""
+import pytest
+import torch
+
+from tierkv.config import ChunkConfig, SelectConfig
+from tierkv.select import adaptation_scores, select_by_scores
+from tierkv.summary import summarize
+from tierkv.tree import ChunkTree, SplitRequest
+
+SMALL = ChunkConfig(min=4, base=8, max=32, desert_threshold=0.3, merge_after=2,
+                    split_concentration=0.7)
+KV, DIM = 2, 8
+
+
+class FakeStore:
+    """Payload records in a dict, rewritten the way the storage would when idle."""
+
+    def __init__(self):
+        self.records, self.next = {}, 0
+
+    def put(self, payload):
+        self.next += 1
+        self.records[self.next] = payload.clone()
+        return self.next
+
+    def rewrite_all(self, tree, gen):
+        for rw in tree.pending_rewrites():
+            if torch.rand(1, generator=gen) < 0.5:
+                data = torch.cat([self.records.pop(r.handle) for r in rw.old], dim=1)
+                base = rw.cuts[0]
+                tree.commit_rewrite(rw, [self.put(data[:, a - base:b - base])
+                                         for a, b in zip(rw.cuts, rw.cuts[1:])])
+
+    def leaf_payload(self, tree, i):
+        refs = tree.records_for(torch.tensor([i]))
+        data = torch.cat([self.records[r.handle] for r in refs], dim=1)
+        start, end = int(tree.bounds[i]), int(tree.bounds[i + 1])
+        return data[:, start - refs[0].start:end - refs[0].start]
+
+
+def spiky_scores(gen, n, hot):
+    """Attention-like scores: a little noise, most mass on a few hot tokens that persist."""
+    scores = torch.rand(n, generator=gen) ** 12
+    scores[hot[hot < n]] += 5.0
+    return scores / scores.sum()
+
+
+def check(tree, store, keys):
+    tree.validate()
+    for i in range(tree.num_leaves):
+        start, end = int(tree.bounds[i]), int(tree.bounds[i + 1])
+        assert torch.equal(store.leaf_payload(tree, i), keys[:, start:end])
+        lo, hi = summarize(keys[:, start:end])
+        assert torch.equal(tree.kmin[i], lo) and torch.equal(tree.kmax[i], hi)
+
+
+def evaluate(tree, keys, gen, select, hot):
+    scores = spiky_scores(gen, tree.n + 3, hot)
+    chosen = select_by_scores(tree, scores, select).leaves
+    mask = torch.zeros(tree.num_leaves, dtype=torch.bool)
+    mask[chosen] = True
+    scores = adaptation_scores(scores, select)
+    changes = tree.update(tree.mass_per_leaf(scores), mask, scores)
+    for request in changes.splits:
+        tree.split(request, keys[:, request.start:request.end])
+    return changes
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_operations_keep_tiling_summaries_and_payloads(seed):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(KV, 400, DIM, generator=gen).half()
+    tree, store = ChunkTree(SMALL, KV, DIM), FakeStore()
+    select = SelectConfig(budget=0.25, sinks=2, window=4)
+    merges = splits = 0
+    hot = torch.randint(0, keys.shape[1], (4,), generator=gen)
+    for _ in range(80):
+        op = int(torch.randint(0, 4, (1,), generator=gen))
+        if op == 0 or tree.n < 40:
+            size = SMALL.base if torch.rand(1, generator=gen) < 0.8 else 3
+            if tree.n + size <= keys.shape[1]:
+                end = tree.n + size
+                tree.append_keys(keys[:, tree.n:end], store.put(keys[:, tree.n:end]))
+        elif op == 1:
+            store.rewrite_all(tree, gen)
+        else:
+            if op == 3:  # attention moves: one hot token jumps elsewhere
+                hot[int(torch.randint(0, 4, (1,), generator=gen))] = int(
+                    torch.randint(0, tree.n, (1,), generator=gen))
+            changes = evaluate(tree, keys, gen, select, hot)
+            merges, splits = merges + len(changes.merged), splits + len(changes.splits)
+        check(tree, store, keys)
+    assert merges > 0 and splits > 0
+
+
+def test_split_then_merge_restores_parent_summary():
+    gen = torch.Generator().manual_seed(7)
+    keys = torch.randn(KV, 64, DIM, generator=gen).to(torch.bfloat16)
+    tree = ChunkTree(SMALL, KV, DIM)
+    for start in range(0, 64, 16):
+        tree.append_keys(keys[:, start:start + 16], start)
+    parent = tree.kmin[1].clone(), tree.kmax[1].clone()
+    tree.split(SplitRequest(16, 32, 24, 0.9), keys[:, 16:32])
+    assert tree.bounds.tolist() == [0, 16, 24, 32, 48, 64]
+    mass = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0])
+    for _ in range(20):
+        changes = tree.update(mass, torch.zeros(tree.num_leaves, dtype=torch.bool))
+        if changes.merged:
+            break
+    assert changes.merged == [(16, 32)] and tree.num_leaves == 4
+    assert torch.equal(tree.kmin[1], parent[0]) and torch.equal(tree.kmax[1], parent[1])
+
+
+def test_split_request_from_concentrated_mass():
+    tree = ChunkTree(SMALL, KV, DIM)
+    keys = torch.randn(KV, 32, DIM)
+    tree.append_keys(keys[:, :16], "a")
+    tree.append_keys(keys[:, 16:], "b")
+    scores = torch.zeros(32)
+    scores[18] = 1.0
+    changes = tree.update(tree.mass_per_leaf(scores), torch.tensor([False, True]), scores)
+    assert changes.splits == [SplitRequest(16, 32, 24, 1.0)]
+    with pytest.raises(ValueError, match="keys"):
+        tree.split(changes.splits[0], keys[:, :8])
+
+
+def test_mass_per_leaf_is_a_segment_sum():
+    tree = ChunkTree(SMALL, KV, DIM)
+    for start, size in [(0, 8), (8, 8), (16, 5)]:
+        tree.append_keys(torch.randn(KV, size, DIM), start)
+    scores = torch.arange(30, dtype=torch.float32)
+    assert tree.mass_per_leaf(scores).tolist() == [sum(range(0, 8)), sum(range(8, 16)),
+                                                   sum(range(16, 21))]
+
+
+def test_short_tail_grows_and_limits_are_checked():
+    tree = ChunkTree(ChunkConfig(min=4, base=8, max=8), KV, DIM)
+    tree.append_keys(torch.randn(KV, 2, DIM), "a")
+    tree.append_keys(torch.randn(KV, 5, DIM), "b")  # joins the 2-token tail
+    assert tree.bounds.tolist() == [0, 7] and len(tree.records) == 2
+    assert len(tree.pending_rewrites()) == 1
+    with pytest.raises(ValueError, match="start at n=7"):
+        tree.append(0, 4, torch.zeros(KV, DIM), torch.zeros(KV, DIM), "c")
+    with pytest.raises(ValueError, match="max"):
+        tree.append_keys(torch.randn(KV, 9, DIM), "c")
+    with pytest.raises(ValueError, match="kmin"):
+        tree.append(7, 9, torch.zeros(DIM), torch.zeros(DIM), "c")
+
+
+def test_stale_rewrite_is_refused():
+    tree = ChunkTree(SMALL, KV, DIM)
+    tree.append_keys(torch.randn(KV, 2, DIM), "a")
+    tree.append_keys(torch.randn(KV, 8, DIM), "b")
+    rewrite = tree.pending_rewrites()[0]
+    tree.commit_rewrite(rewrite, ["ab"])
+    assert [r.handle for r in tree.records] == ["ab"]
+    with pytest.raises(ValueError, match="stale"):
+        tree.commit_rewrite(rewrite, ["ab2"])
+
+
+def test_deterministic():
+    def run():
+        gen = torch.Generator().manual_seed(3)
+        keys = torch.randn(KV, 200, DIM, generator=gen)
+        tree = ChunkTree(SMALL, KV, DIM)
+        for start in range(0, 200, 8):
+            tree.append_keys(keys[:, start:start + 8], start)
+        for _ in range(10):
+            evaluate(tree, keys, gen, SelectConfig(budget=0.2, sinks=2, window=4),
+                     torch.tensor([5, 77, 150]))
+        return tree.bounds.tolist(), tree.ema.tolist()
+
+    assert run() == run()
+
+
+def test_bad_construction():
+    with pytest.raises(ValueError, match="ChunkConfig"):
+        ChunkTree({"min": 4}, KV, DIM)
+    with pytest.raises(ValueError, match="kv_heads"):
+        ChunkTree(SMALL, 0, DIM)

@@ -1,0 +1,88 @@
+"""Attention kernels over tiered KV: query-blocked causal prefill and single-token decode.
+
+Shapes follow one sequence (batch 1): queries ``(q_heads, t, head_dim)``, keys and values
+``(kv_heads, n, head_dim)``; GQA groups the ``q_heads`` as ``(kv_heads, q_heads // kv_heads)``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                     block: int = 512, column_mass: bool = False):
+    """Exact causal attention of ``t`` new queries over ``n >= t`` keys, one query block at a time.
+
+    Query ``i`` sits at position ``n - t + i`` and sees keys ``[0, n - t + i]``. Peak memory is one
+    block's scores, ``(q_heads, block, n)``, not ``(q_heads, t, n)``.
+
+    Parameters
+    ----------
+    q : Tensor, shape (q_heads, t, head_dim)
+    k, v : Tensor, shape (kv_heads, n, head_dim)
+    column_mass : also return the attention mass each key received, summed over queries and the
+        query heads of its GQA group: Tensor, shape (kv_heads, n) (H2O's accumulated attention).
+
+    Returns
+    -------
+    out : Tensor, shape (q_heads, t, head_dim); mass : Tensor or None.
+    """
+    heads, t, dim = q.shape
+    kv_heads, n, _ = k.shape
+    past = n - t
+    out = torch.empty_like(q)
+    mass = torch.zeros(kv_heads, n, dtype=torch.float32, device=q.device) if column_mass else None
+    for b0 in range(0, t, block):
+        b1 = min(t, b0 + block)
+        stop = past + b1
+        rows = torch.arange(past + b0, stop, device=q.device).unsqueeze(1)
+        allowed = torch.arange(stop, device=q.device).unsqueeze(0) <= rows  # (bt, stop)
+        qb, kb, vb = q[:, b0:b1], k[:, :stop], v[:, :stop]
+        if mass is None:
+            out[:, b0:b1] = F.scaled_dot_product_attention(
+                qb.unsqueeze(0), kb.unsqueeze(0), vb.unsqueeze(0), attn_mask=allowed,
+                scale=scaling, enable_gqa=heads != kv_heads)[0]
+            continue
+        probs = _probs(qb, kb, scaling, allowed)  # (kv, g, bt, stop)
+        mass[:, :stop] += probs.sum(dim=(1, 2))
+        out[:, b0:b1] = (probs.to(vb.dtype) @ vb.unsqueeze(1)).reshape(heads, b1 - b0, dim)
+    return out, mass
+
+
+def _probs(q: torch.Tensor, k: torch.Tensor, scaling: float, allowed=None, bias=None) -> torch.Tensor:
+    """Softmax probabilities in fp32, shape (kv_heads, group, t, n)."""
+    kv_heads = k.shape[0]
+    qg = q.reshape(kv_heads, q.shape[0] // kv_heads, q.shape[1], q.shape[2]).float()
+    scores = (qg @ k.float().transpose(1, 2).unsqueeze(1)) * scaling
+    if bias is not None:
+        scores = scores + bias
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One query token over ``n`` keys (all visible).
+
+    q : Tensor, shape (q_heads, 1, head_dim); k, v : Tensor, shape (kv_heads, n, head_dim).
+    Returns Tensor, shape (q_heads, 1, head_dim).
+    """
+    return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=scaling,
+                                          enable_gqa=q.shape[0] != k.shape[0])[0]
+
+
+def scored_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                            allowed: torch.Tensor | None = None, bias: torch.Tensor | None = None):
+    """Decode attention that also returns the probabilities (for filter layers and H2O).
+
+    allowed : bool Tensor broadcastable to (kv_heads, group, 1, n), or None for all keys.
+    bias : float Tensor broadcastable to (kv_heads, group, 1, n) added to the scores (e.g. the
+        log of a compensation token's count), or None.
+
+    Returns
+    -------
+    out : Tensor, shape (q_heads, 1, head_dim); probs : Tensor, shape (kv_heads, group, n), fp32.
+    """
+    probs = _probs(q, k, scaling, allowed, bias)
+    out = probs.to(v.dtype) @ v.unsqueeze(1)
+    return out.reshape(q.shape), probs[:, :, 0]

@@ -1,0 +1,57 @@
+"""Layer-wise prefill: a layer's new tokens attend, in query blocks, over that layer's KV only.
+
+transformers runs a prompt through the model one layer at a time; ``TieredCache`` makes each
+layer's attention exact and query-blocked, and seals the layer's KV into the tiers right after,
+so only one layer's KV (plus the recent windows) is on the device at once. Logits equal an
+ordinary prefill's up to floating-point summation order.
+"""
+from __future__ import annotations
+
+import torch
+
+from .attention import causal_attention
+
+FETCH_BATCH_BYTES = 8 << 20
+
+
+def prefill_attention(cache, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal attention of ``layer``'s new tokens over all of its KV.
+
+    q : Tensor, shape (q_heads, t, head_dim), the new tokens' queries (after RoPE).
+    Returns Tensor, shape (q_heads, t, head_dim).
+    """
+    wk, wv = cache._window[layer]
+    old_k, old_v = sealed_layer_kv(cache, layer)
+    k = torch.cat([old_k, wk], dim=1) if old_k.shape[1] else wk
+    v = torch.cat([old_v, wv], dim=1) if old_v.shape[1] else wv
+    cache.store.device.reserve(f"prefill:{layer}", old_k.nbytes + old_v.nbytes)
+    try:
+        out, mass = causal_attention(q, k, v, scaling, cache.prefill_block,
+                                     column_mass=cache.policy.wants_prefill_mass)
+    finally:
+        cache.store.device.reserve(f"prefill:{layer}", 0)
+    if mass is not None:
+        cache.policy.observe_prefill(cache, layer, mass)
+    return out
+
+
+def sealed_layer_kv(cache, layer: int):
+    """All sealed K and V of one layer, shape (kv_heads, sealed, head_dim) each, on the device.
+
+    Records hold a whole layer group; they are fetched a few at a time so that no more than one
+    layer's KV plus one batch is resident.
+    """
+    index, slot = cache.index_of(layer), cache.slot_of[layer]
+    keys = index.records(None)
+    per_record = max(1, cache.shape.token_bytes(len(cache.groups[cache.group_of[layer]])) * cache.policy.chunk_tokens)
+    step = max(1, FETCH_BATCH_BYTES // per_record)
+    parts_k, parts_v = [], []
+    for i in range(0, len(keys), step):
+        for block in cache.store.fetch(keys[i:i + step], cache.device):
+            parts_k.append(block.keys[slot])
+            parts_v.append(block.values[slot])
+    if not parts_k:
+        empty = torch.zeros(cache.shape.kv_heads, 0, cache.shape.head_dim, dtype=cache.shape.dtype,
+                            device=cache.device)
+        return empty, empty
+    return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)

@@ -1,0 +1,178 @@
+"""The layer-pipelined fetch (DTP): disk read -> decode -> copy to device, group by group.
+
+``Pipeline.submit(plan)`` queues every layer group of the plan on a thread pool, in plan order,
+so group g+1 is read and decoded while the consumer computes group g. ``StepHandle.wait(g)``
+blocks on group g alone and returns its records concatenated along the token axis, on the
+device. Records in the device cache or the device tier are not fetched again; host records skip
+the read and decode stages.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
+
+from tierkv.pipeline.controller import CompressionController
+from tierkv.pipeline.device_cache import DeviceCache
+from tierkv.pipeline.groupfetch import GroupFetcher
+from tierkv.pipeline.metrics import Metrics
+from tierkv.pipeline.plan import FetchPlan, GroupFetch
+from tierkv.pipeline.transfer import Delivery, Transfer
+from tierkv.storage.base import KVBlock, StorageError
+
+
+class PipelineClosedError(StorageError):
+    """The pipeline was closed before the group's data arrived."""
+
+
+class StepHandle:
+    """The in-flight fetch of one plan; ``wait(group)`` returns a group's block."""
+
+    def __init__(self, plan: FetchPlan, transfer: Transfer, metrics: Metrics):
+        self.plan = plan
+        self.futures: dict[int, Future] = {g.group: Future() for g in plan.groups}
+        self.ready = transfer.mark_ready()
+        self._transfer = transfer
+        self._metrics = metrics
+
+    def wait(self, group: int, timeout: float | None = None) -> KVBlock:
+        """Block until ``group``'s records are on the device; return them.
+
+        Returns
+        -------
+        KVBlock, keys and values of shape (layers, kv_heads, total_tokens, head_dim): the
+        group's records concatenated along the token axis in plan order.
+
+        Raises
+        ------
+        FetchError naming the record that failed; CancelledError after ``cancel()``;
+        PipelineClosedError after ``Pipeline.close()``; TimeoutError after ``timeout`` seconds.
+        """
+        if group not in self.futures:
+            raise ValueError(f"group {group} is not in this step's plan {self.plan!r}")
+        start = time.perf_counter()
+        try:
+            delivery: Delivery = self.futures[group].result(timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"group {group} not fetched within {timeout} s") from None
+        finally:
+            self._metrics.record_stall(time.perf_counter() - start)
+        return self._transfer.deliver(delivery)
+
+    def done(self, group: int) -> bool:
+        return self.futures[group].done()
+
+    def cancel(self) -> None:
+        """Drop the groups not yet delivered; their ``wait`` raises CancelledError."""
+        for future in self.futures.values():
+            future.cancel()
+
+    def abort(self, exc: BaseException) -> None:
+        """Fail every group not yet delivered with ``exc``."""
+        for future in self.futures.values():
+            settle(future, exc=exc)
+
+
+class Pipeline:
+    """Fetch the records of a plan to ``device``, layer group by layer group, ahead of compute.
+
+    Parameters
+    ----------
+    store : KVStore, its ``device``, ``host`` and ``disk`` tiers, ``where`` and ``shape``.
+    device : torch.device the blocks are delivered on.
+    threads : worker threads; each fetches one group at a time, in plan order.
+    metrics : Metrics to record into (a new one when None), readable as ``pipeline.metrics``.
+    controller : CompressionController fed with the measured read and decode speeds.
+    disk : the disk tier to read from instead of ``store.disk`` (e.g. a ThrottledDisk).
+    groups : number of layer groups plans may name; default ``store.shape.layers``.
+    """
+
+    def __init__(self, store, device: torch.device | str, threads: int = 2,
+                 metrics: Metrics | None = None, *, controller: CompressionController | None = None,
+                 disk=None, groups: int | None = None):
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 64:
+            raise ValueError(f"threads={threads!r}: must be an integer in [1, 64]")
+        self.groups = store.shape.layers if groups is None else groups
+        if isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups < 1:
+            raise ValueError(f"groups={groups!r}: must be a positive integer")
+        self.store = store
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.transfer = Transfer(torch.device(device), buffers=threads)
+        self.cache = DeviceCache(store.device)
+        self._fetcher = GroupFetcher(store, disk if disk is not None else store.disk, self.cache,
+                                     self.transfer, self.metrics, controller)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tierkv-fetch")
+        self._handles: weakref.WeakSet[StepHandle] = weakref.WeakSet()
+        self._busy = 0
+        self._idle = threading.Condition()
+        self._closed = False
+
+    def submit(self, plan: FetchPlan) -> StepHandle:
+        """Start fetching ``plan``; ValueError for a group outside the store's range."""
+        if not isinstance(plan, FetchPlan):
+            raise ValueError(f"plan={plan!r}: expected a FetchPlan")
+        plan.check_groups(self.groups)
+        with self._idle:
+            if self._closed:
+                raise PipelineClosedError("submit() on a closed Pipeline")
+            handle = StepHandle(plan, self.transfer, self.metrics)
+            self._handles.add(handle)
+            for group in plan.groups:
+                self._busy += 1
+                self._pool.submit(self._run, handle, group).add_done_callback(self._finished)
+        return handle
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Stop: fail undelivered groups, drop queued work, wait up to ``timeout`` s for
+        reads in flight. Idempotent; never blocks longer than ``timeout``. Returns whether
+        every worker had finished."""
+        with self._idle:
+            if self._closed:
+                return self._busy == 0
+            self._closed = True
+            handles = list(self._handles)
+        error = PipelineClosedError("the pipeline was closed before this group was fetched")
+        for handle in handles:
+            handle.abort(error)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._idle:
+            finished = self._idle.wait_for(lambda: self._busy == 0, timeout)
+        if finished:
+            self.transfer.close()
+        return finished
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _run(self, handle: StepHandle, group: GroupFetch) -> None:
+        future = handle.futures[group.group]
+        try:
+            if not future.done():
+                settle(future, result=self._fetcher.fetch(group, handle.ready, future.done))
+        except BaseException as exc:  # surfaced from wait(group), never lost in the pool
+            settle(future, exc=exc)
+
+    def _finished(self, _work: Future) -> None:
+        """Called when a queued group ran or was dropped by ``close``."""
+        with self._idle:
+            self._busy -= 1
+            self._idle.notify_all()
+
+
+def settle(future: Future, result=None, exc: BaseException | None = None) -> None:
+    """Complete ``future`` unless it was already completed or cancelled."""
+    try:
+        if exc is None:
+            future.set_result(result)
+        else:
+            future.set_exception(exc)
+    except InvalidStateError:
+        pass
+

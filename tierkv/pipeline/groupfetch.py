@@ -1,0 +1,185 @@
+"""The work of one layer group: find each record, read and decode what is on disk, copy up."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import CancelledError
+from typing import Callable
+
+from tierkv.pipeline.controller import CompressionController, ReadMeter
+from tierkv.pipeline.device_cache import DeviceCache
+from tierkv.pipeline.metrics import Metrics
+from tierkv.pipeline.plan import GroupFetch
+from tierkv.pipeline.transfer import Delivery, Transfer
+from tierkv.storage.base import KVBlock, RecordKey, StorageError
+from tierkv.storage.codec import codec_by_id
+
+READ_ERRORS = (StorageError, OSError, KeyError, ValueError)
+
+
+class FetchError(StorageError):
+    """A record of a fetch plan could not be brought to the device.
+
+    ``group`` and ``key`` name the layer group and the record; the cause is chained.
+    """
+
+    def __init__(self, group: int, key: RecordKey, reason: str):
+        self.group, self.key = group, key
+        super().__init__(f"layer group {group}: record {key}: {reason}")
+
+
+class GroupFetcher:
+    """Fetch one ``GroupFetch`` into a ``Delivery`` (called from the pipeline's threads)."""
+
+    def __init__(self, store, disk, cache: DeviceCache, transfer: Transfer, metrics: Metrics,
+                 controller: CompressionController | None):
+        self.store = store
+        self.disk = disk
+        self.cache = cache
+        self.transfer = transfer
+        self.metrics = metrics
+        self.controller = controller
+        self.meter = None if controller is None else ReadMeter(controller)
+
+    def fetch(self, group: GroupFetch, ready, stopped: Callable[[], bool]) -> Delivery:
+        """The group's records, concatenated on the device; stops early once ``stopped()``."""
+        start = time.perf_counter()
+        try:
+            parts, on_disk = self._resident(group)
+            if on_disk:
+                self._from_disk(group, on_disk, parts, stopped)
+            _check_alike(group, parts)
+            _raise_if(stopped)
+            copy_start = time.perf_counter()
+            delivery = self.transfer.assemble(
+                parts, ready, lambda block: self._admit(group, parts, on_disk, block))
+            self.metrics.record_stage("copy", time.perf_counter() - copy_start)
+            return delivery
+        finally:
+            self.metrics.record_fetch(time.perf_counter() - start)
+
+    def _resident(self, group: GroupFetch) -> tuple[list[KVBlock | None], list[int]]:
+        """Blocks found in the device cache, device tier or host tier; indices left on disk."""
+        parts: list[KVBlock | None] = []
+        on_disk: list[int] = []
+        for i, (key, importance) in enumerate(zip(group.keys, group.importance)):
+            block, source = self._lookup(group.group, key, importance)
+            if block is None:
+                on_disk.append(i)
+            else:
+                self.metrics.record_delivery(source, block.nbytes)
+            parts.append(block)
+        return parts, on_disk
+
+    def _lookup(self, group: int, key: RecordKey, importance: float):
+        block = self.cache.get(key, importance)
+        if block is not None:
+            return block, "cache"
+        for _ in range(2):  # a record may move between where() and get(): look once more
+            where = self.store.where(key)
+            if where is None:
+                raise FetchError(group, key, "not held by any tier (unknown record)")
+            if where == "disk":
+                return None, "disk"
+            if where not in ("device", "host"):
+                raise FetchError(group, key, f"store.where() gave an unknown tier {where!r}")
+            try:
+                return getattr(self.store, where).get(key), where
+            except KeyError:
+                continue
+        raise FetchError(group, key, f"record kept moving between tiers (last seen: {where})")
+
+    def _from_disk(self, group: GroupFetch, on_disk: list[int], parts: list, stopped) -> None:
+        keys = [group.keys[i] for i in on_disk]
+        raws = self._read(group.group, keys)
+        for i, raw in zip(on_disk, raws):
+            _raise_if(stopped)
+            if raw.key != group.keys[i]:
+                raise FetchError(group.group, group.keys[i], f"disk returned {raw.key} instead")
+            parts[i] = self._decode(group.group, group.keys[i], raw)
+
+    def _read(self, group: int, keys: list[RecordKey]) -> list:
+        start = time.perf_counter()
+        if self.meter is not None:
+            self.meter.begin()
+        raws = []
+        try:
+            raws = self.disk.read_raw_many(keys)
+        except READ_ERRORS as exc:
+            self._blame(group, keys, exc)
+        finally:
+            if self.meter is not None:
+                self.meter.end(sum(len(raw.payload) for raw in raws))
+        self.metrics.record_stage("read", time.perf_counter() - start)
+        if len(raws) != len(keys):
+            raise FetchError(group, keys[0], f"disk returned {len(raws)} records for {len(keys)}")
+        return raws
+
+    def _blame(self, group: int, keys: list[RecordKey], exc: Exception):
+        """Raise a FetchError naming the record of a failed batch (re-read one by one)."""
+        reason = _describe(exc)
+        if len(keys) > 1:
+            for key in keys:
+                try:
+                    self.disk.read_raw_many([key])
+                except READ_ERRORS as single:
+                    raise FetchError(group, key, _describe(single)) from single
+            reason += f" (batch of {len(keys)} records from this one; each alone read fine)"
+        raise FetchError(group, keys[0], reason) from exc
+
+    def _decode(self, group: int, key: RecordKey, raw) -> KVBlock:
+        start = time.perf_counter()
+        try:
+            block = self.disk.decode(raw)
+        except READ_ERRORS as exc:
+            raise FetchError(group, key, _describe(exc)) from exc
+        seconds = time.perf_counter() - start
+        codec = codec_name(raw.codec)
+        self.metrics.record_stage("decode", seconds)
+        self.metrics.record_disk(codec, len(raw.payload))
+        self.metrics.record_delivery("disk", block.nbytes)
+        if self.controller is not None:
+            self.controller.observe_decode(codec, block.nbytes, len(raw.payload), seconds)
+        return block
+
+    def _admit(self, group: GroupFetch, parts: list[KVBlock], fetched: list[int],
+               out: KVBlock) -> None:
+        """Offer the records just read from disk to the device cache (the tier copies them)."""
+        start = 0
+        offsets = []
+        for part in parts:
+            offsets.append(start)
+            start += part.keys.shape[2]
+        for i in fetched:
+            key, importance = group.keys[i], group.importance[i]
+            a, b = offsets[i], offsets[i] + key.tokens
+            self.cache.admit(key, KVBlock(out.keys[:, :, a:b], out.values[:, :, a:b]), importance)
+
+
+def codec_name(codec) -> str:
+    """The name of a codec given by name or by its on-disk id."""
+    return codec if isinstance(codec, str) else codec_by_id(codec).name
+
+
+def _check_alike(group: GroupFetch, parts: list[KVBlock]) -> None:
+    def layout(t):
+        return t.shape[0], t.shape[1], t.shape[3], t.dtype
+
+    first = parts[0].keys
+    for key, part in zip(group.keys, parts):
+        try:
+            part.check(key)
+        except ValueError as exc:
+            raise FetchError(group.group, key, str(exc)) from None
+        if layout(part.keys) != layout(first):
+            raise FetchError(group.group, key,
+                             f"shape {tuple(part.keys.shape)} {part.keys.dtype} differs from "
+                             f"{group.keys[0]}'s {tuple(first.shape)} {first.dtype}")
+
+
+def _raise_if(stopped: Callable[[], bool]) -> None:
+    if stopped():
+        raise CancelledError()
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,72 @@
+"""The policy interface: which layers group together, what a layer fetches, how it attends.
+
+A policy is a small class with named hooks, found by name in ``REGISTRY``. The cache asks:
+
+- ``groups()``: the layer groups whose KV is stored together (one record serves one group);
+- ``fetch(cache, layer, q)``: the chunks of the layer's group to bring for this decode step
+  (``None`` = every chunk);
+- ``attend(cache, layer, q, k, v, positions, scaling)``: attention of the new token over what
+  was fetched plus the recent window (default: plain attention over all of it);
+- ``observe_prefill(cache, layer, mass)``: the attention mass each key got during prefill,
+  for policies that set ``wants_prefill_mass``.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from ..config import ChunkConfig, SelectConfig
+from ..hf.attention import decode_attention
+
+REGISTRY: dict[str, type["Policy"]] = {}
+
+
+def register(cls):
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def make_policy(name: str, layers: int, select: SelectConfig, chunks: ChunkConfig,
+                profile: dict | None = None) -> "Policy":
+    """Build the policy registered under ``name``."""
+    if name not in REGISTRY:
+        raise ValueError(f"policy={name!r}: must be one of {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[name](layers, select, chunks, profile or {})
+
+
+class Policy:
+    """Dense attention over every token of every layer (the base the others refine)."""
+
+    name: ClassVar[str] = "base"
+    lossy: ClassVar[bool] = False
+    adaptive: ClassVar[bool] = False
+    wants_prefill_mass: ClassVar[bool] = False
+
+    def __init__(self, layers: int, select: SelectConfig, chunks: ChunkConfig, profile: dict):
+        self.layers, self.select, self.chunks, self.profile = layers, select, chunks, profile
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per sealed chunk (one record)."""
+        return self.chunks.base
+
+    def groups(self) -> list[tuple[int, ...]]:
+        return [(i,) for i in range(self.layers)]
+
+    def fetch(self, cache, layer: int, q: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def attend(self, cache, layer, q, k, v, positions, scaling) -> torch.Tensor:
+        return decode_attention(q, k, v, scaling)
+
+    def observe_prefill(self, cache, layer: int, mass: torch.Tensor) -> None:
+        """Called after each prefill pass of a layer, mass : Tensor, shape (kv_heads, n)."""
+
+    def budget(self, cache) -> int:
+        """Token budget of the sealed context this step (the window is attended on top)."""
+        n = cache.get_seq_length()
+        return max(0, self.select.tokens(n) - self.select.window)
+
+    def describe(self) -> dict:
+        return {"policy": self.name, "lossy": self.lossy}

@@ -1,0 +1,60 @@
+"""``h2o``: heavy hitters by accumulated attention + the recent window, within the budget. Lossy.
+
+Per KV head, a token once evicted never returns (H2O's greedy eviction); evicted tokens stay in
+storage, the policy just never attends to them again.
+"""
+import torch
+
+from ..hf.attention import scored_decode_attention
+from .base import Policy, register
+
+
+@register
+class H2O(Policy):
+    """Keep, per KV head, the tokens with the most accumulated attention plus the window."""
+
+    name = "h2o"
+    lossy = True
+    wants_prefill_mass = True
+
+    def __init__(self, layers, select, chunks, profile):
+        super().__init__(layers, select, chunks, profile)
+        self._acc: dict[int, torch.Tensor] = {}
+        self._evicted: dict[int, torch.Tensor] = {}
+
+    def observe_prefill(self, cache, layer, mass):
+        acc = self._grow(cache, self._acc.get(layer), mass.shape[1])
+        self._acc[layer] = acc + mass
+        self._evict(cache, layer)
+
+    def attend(self, cache, layer, q, k, v, positions, scaling):
+        n = cache.layer_length(layer)
+        acc = self._acc[layer] = self._grow(cache, self._acc.get(layer), n)
+        evicted = self._evicted[layer] = self._grow(cache, self._evicted.get(layer), n, torch.bool)
+        allowed = ~evicted[:, positions]
+        out, probs = scored_decode_attention(q, k, v, scaling, allowed.unsqueeze(1).unsqueeze(2))
+        acc[:, positions] += probs.sum(1)
+        self._evict(cache, layer)
+        return out
+
+    def _evict(self, cache, layer):
+        acc = self._acc[layer]
+        n = acc.shape[1]
+        evicted = self._evicted[layer] = self._grow(cache, self._evicted.get(layer), n, torch.bool)
+        heavy = self.budget(cache)
+        old = n - self.select.window
+        if old <= heavy:
+            return
+        score = acc[:, :old].masked_fill(evicted[:, :old], float("-inf"))
+        keep = torch.topk(score, heavy, dim=1).indices
+        drop = torch.ones_like(evicted[:, :old]).scatter_(1, keep, False)
+        evicted[:, :old] |= drop
+
+    @staticmethod
+    def _grow(cache, t, n, dtype=torch.float32):
+        """``t`` (kv_heads, <= n) padded with zeros / False to (kv_heads, n)."""
+        have = 0 if t is None else t.shape[1]
+        if have >= n:
+            return t
+        pad = torch.zeros(cache.shape.kv_heads, n - have, dtype=dtype)
+        return pad if t is None else torch.cat([t, pad], dim=1)

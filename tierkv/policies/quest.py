@@ -1,0 +1,19 @@
+"""``quest``: per-layer min/max page summaries over fixed pages; the top pages per layer (Quest)."""
+from .base import Policy, register
+
+
+@register
+class Quest(Policy):
+    """Each layer scores its fixed pages by the min/max upper bound of ``q . k`` and fetches the
+    best within the budget (plus the sink page). Pages never merge or split."""
+
+    name = "quest"
+    page = 16
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.page
+
+    def fetch(self, cache, layer, q):
+        index = cache.index_of(layer)
+        return index.top_chunks(index.bound_scores(q[:, 0]), self.budget(cache), self.select.sinks)

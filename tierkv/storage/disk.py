@@ -1,0 +1,289 @@
+"""The disk tier: records in append-only segment files, metadata in a safetensors manifest.
+
+Durability: ``put`` returns once the record is written to the OS (``pwritev``), so it survives the
+death of the process; ``flush()`` (and ``close()``) fsync the segment and the directory and
+replace the manifest, which makes everything so far survive a power loss too.
+
+Two processes may share a directory: see ``tierkv.storage.locking``. Each appends under the
+exclusive directory lock after taking in what the other appended; a read that misses (or finds
+its segment compacted away) rescans and retries once.
+"""
+from __future__ import annotations
+
+import asyncio
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from ..config import CodecConfig, parse_size
+from .base import CorruptRecordError, KVBlock, RecordKey, Tier, TierFullError
+from .codec import codec_by_id, decode_block, encode_block, make_codec
+from .diskmeta import DocMeta
+from .diskread import RawRecord, read_batch
+from .segfiles import SegmentDir
+from .segment import HEADER, KIND_DATA, KIND_DOC_TOMBSTONE, KIND_KEY_TOMBSTONE, pack_record, \
+    segment_name
+
+
+class DiskTier(Tier):
+    """KV records in segment files under ``path``.
+
+    Parameters
+    ----------
+    path : directory (created if missing) holding ``seg-NNNNNN.tkv``, ``manifest.safetensors``
+        and ``tierkv.lock``.
+    codec : default codec ("auto" means "zstd") and its settings.
+    segment_size : bytes after which a new segment file is started (int or "256MiB").
+    io_threads : threads reading records in ``read_raw_many``.
+    budget : bytes of live records allowed (None: unbounded).
+
+    ``open_report`` says what opening found: records, segments, bytes dropped and why.
+    """
+
+    name = "disk"
+
+    def __init__(self, path, *, codec: CodecConfig = CodecConfig(),
+                 segment_size: int | str = "256MiB", io_threads: int = 4, budget=None):
+        super().__init__(None if budget is None else parse_size(budget, "budget"))
+        if not isinstance(path, (str, Path)) or str(path) == "":
+            raise ValueError(f"path={path!r}: expected a directory path")
+        if not isinstance(codec, CodecConfig):
+            raise ValueError(f"codec={codec!r}: expected a CodecConfig")
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int) \
+                or not 1 <= io_threads <= 256:
+            raise ValueError(f"io_threads={io_threads!r}: must be an integer in [1, 256]")
+        size = parse_size(segment_size, "segment_size")
+        if not 4096 <= size <= 2**40:
+            raise ValueError(f"segment_size={size}: must be in [4KiB, 1TiB]")
+        self.path = Path(path)
+        self.codec_config = codec
+        self.bytes_read = 0
+        self._files = SegmentDir(self.path, size)
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tierkv-disk")
+        self._io_threads = io_threads
+        self._meta = DocMeta(self._files)
+        self._generation = -1
+        self.open_report = self._open()
+
+    def _open(self) -> dict:
+        with self._files.lock.exclusive():
+            self._files.refresh()
+            manifest = self._meta.load()
+            self._sync_accounting()
+        files = self._files
+        return {"records": len(self._sizes), "segments": len(files.index.segments),
+                "dropped": list(files.problems), "truncated": dict(files.truncated),
+                "foreign": dict(files.foreign), "refused": dict(files.refused),
+                "manifest": manifest}
+
+    def _sync_accounting(self) -> None:
+        """Re-derive sizes from the index after it changed under us (refresh, compaction)."""
+        with self._lock:
+            if self._generation != self._files.generation:
+                self._sizes = {k: loc.length for k, loc in self._files.index.live.items()}
+                self._used = sum(self._sizes.values()) + self.reserved
+                self._generation = self._files.generation
+
+    # -- writing ------------------------------------------------------------------------
+    def put(self, key: RecordKey, block: KVBlock, codec: str | None = None) -> None:
+        """Append ``block`` as the record of ``key`` encoded with ``codec`` (default: config).
+
+        Raises TierFullError when over budget, DiskWriteError when the write fails (nothing
+        stored, earlier records intact).
+        """
+        if not isinstance(key, RecordKey):
+            raise ValueError(f"key={key!r}: expected a RecordKey")
+        block.check(key)
+        enc = self._codec(codec)
+        cpu = block.to("cpu")
+        payload = encode_block(enc, cpu)
+        crc = zlib.crc32(payload)
+        need = HEADER.size + len(payload)
+        with self._lock:
+            self._check_open()
+            old = self._sizes.get(key, 0)
+            if self.budget is not None and self._used - old + need > self.budget:
+                raise TierFullError(f"disk: {key} needs {need} B, {self.budget - self._used + old} "
+                                    f"B free of {self.budget}")
+            self._append(lambda seq: pack_record(
+                KIND_DATA, key, seq, payload, payload_crc=crc, codec=enc.id,
+                dtype=cpu.keys.dtype, shape=tuple(cpu.keys.shape), raw_len=cpu.nbytes))
+
+    def _append(self, make_record) -> None:
+        _, record, gone, live = self._files.append(make_record)
+        self._sync_accounting()
+        for key in gone:
+            self._used -= self._sizes.pop(key, 0)
+        if live is not None:
+            self._used += record.header.length - self._sizes.get(live, 0)
+            self._sizes[live] = record.header.length
+            self.peak = max(self.peak, self._used)
+
+    def _codec(self, name: str | None):
+        name = name or self.codec_config.codec
+        name = "zstd" if name == "auto" else name
+        codec = make_codec(name, self.codec_config)
+        if codec.lossy and not self.codec_config.allow_lossy:
+            raise ValueError(f"codec={name!r} is lossy: the disk tier's CodecConfig has "
+                             "allow_lossy=False")
+        return codec
+
+    def _store(self, key: RecordKey, block: KVBlock) -> int:
+        self.put(key, block)
+        return self._sizes[key]
+
+    def remove(self, key: RecordKey) -> int:
+        """Forget ``key`` (a tombstone record makes it stay forgotten); the bytes freed."""
+        with self._lock:
+            self._check_open()
+            if key not in self._sizes:
+                return 0
+            size = self._sizes[key]
+            self._drop(key)
+            return size
+
+    def _drop(self, key: RecordKey) -> None:
+        self._append(lambda seq: pack_record(KIND_KEY_TOMBSTONE, key, seq))
+
+    def delete_doc(self, doc: str) -> tuple[int, int]:
+        """Forget every record and the metadata of ``doc``; reclaim the space.
+
+        Returns (segments deleted, segments compacted).
+        """
+        key = RecordKey(doc, 0, 0, 1)
+        with self._lock:
+            self._check_open()
+            self._append(lambda seq: pack_record(KIND_DOC_TOMBSTONE, key, seq))
+            self._meta.drop(doc)
+            return self.reclaim()
+
+    def reclaim(self, max_dead: float = 0.5) -> tuple[int, int]:
+        """Delete dead segments, compact those more than ``max_dead`` dead (crash-safe).
+
+        Returns (segments deleted, segments compacted). ``delete_doc`` calls it.
+        """
+        with self._lock:
+            self._check_open()
+            result = self._files.reclaim(max_dead)
+            self._sync_accounting()
+            return result
+
+    def refresh(self) -> bool:
+        """Take in records other processes appended or compacted; True if anything changed."""
+        with self._lock:
+            self._check_open()
+            changed = self._files.refresh()
+            self._sync_accounting()
+            return changed
+
+    def flush(self) -> None:
+        """fsync the segments and the directory, then replace the manifest atomically."""
+        with self._lock:
+            self._check_open()
+            with self._files.lock.exclusive():
+                self._files.sync()
+                self._meta.save()
+
+    # -- reading ------------------------------------------------------------------------
+    def get(self, key: RecordKey) -> KVBlock:
+        """The block of ``key`` on the CPU; KeyError when absent, CorruptRecordError when bad."""
+        return self.get_many([key])[0]
+
+    def _load(self, key: RecordKey) -> KVBlock:
+        return self.get(key)
+
+    def get_many(self, keys) -> list[KVBlock]:
+        """The blocks of ``keys`` (CPU), read and decoded by the I/O threads, in key order."""
+        return self._read_retrying(list(keys), self.decode)
+
+    def decode(self, raw: RawRecord) -> KVBlock:
+        """The KVBlock of a RawRecord (CorruptRecordError when its payload is malformed)."""
+        try:
+            codec = codec_by_id(raw.codec, self.codec_config)
+        except ValueError as exc:
+            raise CorruptRecordError(f"record {raw.key}: {exc}") from None
+        return decode_block(codec, raw.payload, raw.dtype, raw.shape)
+
+    def read_raw_many(self, keys) -> list[RawRecord]:
+        """Read and crc-check the records of ``keys`` with the I/O threads, in key order.
+
+        Raises KeyError for an absent key, CorruptRecordError for a record that fails checks.
+        """
+        return self._read_retrying(list(keys), None)
+
+    def _read_retrying(self, keys: list[RecordKey], decode) -> list:
+        try:
+            return self._read(keys, decode)
+        except (KeyError, FileNotFoundError):  # another process added or compacted: rescan
+            self._files.refresh()
+            self._sync_accounting()
+            return self._read(keys, decode)
+
+    def _read(self, keys: list[RecordKey], decode) -> list:
+        self._check_open()
+        with self._lock:
+            locs = [self._files.index.live[k] for k in keys]
+        out = read_batch(self._files, keys, locs, self._pool, self._io_threads, decode)
+        self.bytes_read += sum(loc.length for loc in locs)
+        return out
+
+    async def aget(self, key: RecordKey) -> KVBlock:
+        """``get`` on a worker thread, for asyncio applications."""
+        return await asyncio.to_thread(self.get, key)
+
+    async def aput(self, key: RecordKey, block: KVBlock, codec: str | None = None) -> None:
+        """``put`` on a worker thread, for asyncio applications."""
+        await asyncio.to_thread(self.put, key, block, codec)
+
+    # -- metadata and health ------------------------------------------------------------
+    def docs(self) -> list[str]:
+        """Documents with live records or metadata, sorted."""
+        with self._lock:
+            return sorted({k.doc for k in self._sizes} | set(self._meta.docs()))
+
+    def set_doc_meta(self, doc: str, meta: dict, arrays: dict[str, torch.Tensor]) -> None:
+        """Attach JSON ``meta`` and named tensors to ``doc`` (saved by ``flush``)."""
+        RecordKey(doc, 0, 0, 1)
+        with self._lock:
+            self._meta.set(doc, meta, arrays)
+
+    def doc_meta(self, doc: str) -> tuple[dict, dict[str, torch.Tensor]]:
+        """Copies of the metadata and tensors of ``doc``; KeyError when it has none."""
+        return self._meta.get(doc)
+
+    def codec_of(self, key: RecordKey) -> str:
+        """Name of the codec the record of ``key`` is stored with."""
+        with self._lock:
+            return codec_by_id(self._files.index.live[key].header.codec).name
+
+    def check(self) -> list[dict]:
+        """Read and verify every live record: one dict (key, segment, offset, ok, error) each."""
+        report = []
+        for key in self.keys():
+            loc = self._files.index.live.get(key)
+            if loc is None:
+                continue
+            entry = {"key": key, "segment": segment_name(loc.segment), "offset": loc.offset,
+                     "ok": True, "error": None}
+            try:
+                self.get(key)
+            except (CorruptRecordError, KeyError) as exc:
+                entry.update(ok=False, error=str(exc))
+            report.append(entry)
+        return report
+
+    @property
+    def bytes_written(self) -> int:
+        return self._files.bytes_written
+
+    def _close(self) -> None:
+        try:
+            with self._files.lock.exclusive():
+                self._files.sync()
+                self._meta.save()
+        finally:
+            self._pool.shutdown()
+            self._files.close()
+

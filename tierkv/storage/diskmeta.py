@@ -1,0 +1,138 @@
+"""Per-document metadata of a disk tier and its round trip through the manifest.
+
+Each document's entry remembers the store ``seq`` when it was set, so metadata set before a
+``delete_doc`` (whose tombstone has a higher seq) is not resurrected by an older manifest.
+Saving merges with the manifest on disk: documents another process set stay as they are.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .manifest import INDEX_FIELDS, MANIFEST, MANIFEST_TMP, CorruptManifestError, \
+    check_array_name, check_index, encode_manifest, read_manifest, write_atomic
+
+
+class DocMeta:
+    """JSON metadata and named tensors per document, saved in ``manifest.safetensors``."""
+
+    def __init__(self, files):
+        self._files = files
+        self._entries: dict[str, dict] = {}
+        self._arrays: dict[str, dict[str, torch.Tensor]] = {}
+        self._dirty: set[str] = set()
+
+    def docs(self) -> list[str]:
+        return list(self._entries)
+
+    def set(self, doc: str, meta: dict, arrays: dict[str, torch.Tensor]) -> None:
+        try:
+            meta = json.loads(json.dumps(meta, allow_nan=False))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"meta of {doc!r} is not JSON-serialisable: {exc}") from None
+        if not isinstance(meta, dict) or not isinstance(arrays, dict):
+            raise ValueError(f"meta of {doc!r} must be a dict and arrays a dict of tensors")
+        for name, tensor in arrays.items():
+            check_array_name(name)
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"array {name!r} of {doc!r} is not a tensor")
+        self._entries[doc] = {"seq": self._files.index.max_seq, "meta": meta}
+        self._arrays[doc] = {n: t.detach().to("cpu", copy=True).contiguous()
+                             for n, t in arrays.items()}
+        self._dirty.add(doc)
+
+    def get(self, doc: str) -> tuple[dict, dict[str, torch.Tensor]]:
+        if doc not in self._entries:
+            raise KeyError(doc)
+        meta = json.loads(json.dumps(self._entries[doc]["meta"]))
+        return meta, {n: t.clone() for n, t in self._arrays.get(doc, {}).items()}
+
+    def drop(self, doc: str) -> None:
+        self._entries.pop(doc, None)
+        self._arrays.pop(doc, None)
+        self._dirty.add(doc)
+
+    # -- the manifest (callers hold the directory lock) ------------------------------------
+    def load(self) -> str:
+        """Take in the manifest's documents; a description of what was found.
+
+        A temp file left by a writer that died mid-replace is removed first.
+        """
+        try:
+            os.unlink(MANIFEST_TMP, dir_fd=self._files.dir_fd)
+        except FileNotFoundError:
+            pass
+        try:
+            manifest = self._read()
+        except CorruptManifestError as exc:
+            return f"corrupt: {exc}; moved aside to {self._set_aside()}, records are intact"
+        if manifest is None:
+            return "missing"
+        index, docs, entries, arrays = manifest
+        self._adopt(entries, arrays)
+        stale = self._stale_rows(index, docs)
+        return "ok" if not stale else f"ok; {stale} index rows stale (the records win)"
+
+    def _read(self):
+        manifest = read_manifest(self._files.dir_fd)
+        if manifest is None:
+            return None
+        index, docs, entries, arrays = manifest
+        check_index(index, docs)
+        for doc, entry in entries.items():
+            if not (isinstance(entry, dict) and isinstance(entry.get("seq"), int)
+                    and isinstance(entry.get("meta"), dict)):
+                raise CorruptManifestError(f"manifest metadata of {doc!r} is malformed")
+        return manifest
+
+    def _adopt(self, entries: dict, arrays: dict) -> None:
+        tombs = self._files.index.doc_tombs
+        for doc, entry in entries.items():
+            if doc not in self._dirty and entry["seq"] >= tombs.get(doc, 0):
+                self._entries[doc] = entry
+                self._arrays[doc] = arrays.get(doc, {})
+
+    def _stale_rows(self, index: dict, docs: list[str]) -> int:
+        found = {(key.doc, loc.header.seq): (loc.segment, loc.offset)
+                 for key, loc in self._files.index.live.items()}
+        rows = zip(index["doc"], index["seq"], index["segment"], index["offset"])
+        return sum(found.get((docs[d], seq)) != (seg, off) for d, seq, seg, off in rows)
+
+    def _set_aside(self) -> str:
+        n = 1
+        while True:
+            name = f"manifest.corrupt-{n}.safetensors"
+            try:
+                os.stat(name, dir_fd=self._files.dir_fd, follow_symlinks=False)
+                n += 1
+            except FileNotFoundError:
+                break
+        try:
+            os.rename(MANIFEST, name, src_dir_fd=self._files.dir_fd, dst_dir_fd=self._files.dir_fd)
+        except OSError as exc:
+            return f"(not moved: {exc})"
+        return name
+
+    def save(self) -> None:
+        """Merge with the manifest on disk and replace it atomically."""
+        try:
+            on_disk = self._read()
+        except CorruptManifestError:
+            on_disk = None
+        if on_disk is not None:
+            self._adopt(on_disk[2], on_disk[3])
+        live = self._files.index.live
+        docs = sorted(set(self._entries) | {k.doc for k in live})
+        slot = {d: i for i, d in enumerate(docs)}
+        index = {f: [] for f in INDEX_FIELDS}
+        for key, loc in live.items():
+            h = loc.header
+            for name, value in zip(INDEX_FIELDS, (loc.segment, loc.offset, loc.length, key.group,
+                                                  key.start, key.end, h.codec, h.seq,
+                                                  slot[key.doc])):
+                index[name].append(value)
+        write_atomic(self._files.dir_fd, MANIFEST,
+                     encode_manifest(index, docs, self._entries, self._arrays))
+        self._dirty.clear()

@@ -1,0 +1,101 @@
+"""Batched record reads: disk-ordered extents split among I/O threads, crc checked in place.
+
+One buffer is allocated per batch and laid out in disk order, so each thread reads a contiguous
+run of it with one gathered ``pread_extents`` per segment (the C helper releases the GIL; the
+kernel's readahead sees sequential access). Each thread verifies, and optionally decodes, the
+records it read.
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from .base import CorruptRecordError, RecordKey
+from .native import pread_extents
+from .segment import HEADER, check_crc, parse_header, segment_name
+
+
+class RawRecord(NamedTuple):
+    """A record read and crc-checked but not decoded.
+
+    payload : memoryview of the encoded bytes; shape : (layers, kv_heads, tokens, head_dim).
+    """
+
+    key: RecordKey
+    codec: int
+    dtype: torch.dtype
+    shape: tuple[int, int, int, int]
+    payload: memoryview
+
+
+def read_batch(files, keys: list[RecordKey], locs: list, pool, threads: int, decode=None) -> list:
+    """RawRecords (or ``decode(raw)`` of each) of ``keys`` at ``locs``, in key order.
+
+    Raises CorruptRecordError for a record that fails its checks or cannot be read, and
+    FileNotFoundError when a segment was deleted since ``locs`` was looked up.
+    """
+    order = sorted(range(len(locs)), key=lambda i: (locs[i].segment, locs[i].offset))
+    pos, total = [0] * len(locs), 0
+    for i in order:
+        pos[i], total = total, total + locs[i].length
+    buf = memoryview(np.empty(total, np.uint8)).cast("B")
+    out = [None] * len(locs)
+
+    def job(indices: list[int]) -> None:
+        _read_runs(files, indices, locs, pos, buf)
+        for i in indices:
+            record = buf[pos[i]:pos[i] + locs[i].length]
+            raw = _verified(keys[i], locs[i], record)
+            out[i] = raw if decode is None else decode(raw)
+
+    jobs = _balanced(order, locs, total, threads)
+    if len(jobs) == 1:
+        job(jobs[0])
+    else:
+        list(pool.map(job, jobs))
+    return out
+
+
+def _balanced(order: list[int], locs: list, total: int, threads: int) -> list[list[int]]:
+    """Contiguous slices of ``order`` holding about equal bytes, at most ``threads`` of them."""
+    jobs, current, done = [], [], 0
+    for i in order:
+        current.append(i)
+        done += locs[i].length
+        if done >= total * (len(jobs) + 1) / threads and len(jobs) < threads - 1:
+            jobs.append(current)
+            current = []
+    return jobs + [current] if current else jobs
+
+
+def _read_runs(files, indices: list[int], locs: list, pos: list[int], buf: memoryview) -> None:
+    start = 0
+    while start < len(indices):
+        segment = locs[indices[start]].segment
+        end = start
+        while end < len(indices) and locs[indices[end]].segment == segment:
+            end += 1
+        run = indices[start:end]
+        lo, hi = pos[run[0]], pos[run[-1]] + locs[run[-1]].length
+        fd = files.open_read(segment)
+        try:
+            pread_extents(fd, [locs[i].offset for i in run], [locs[i].length for i in run],
+                          buf[lo:hi])
+        except OSError as exc:
+            raise CorruptRecordError(f"{segment_name(segment)}: read failed ({exc})") from exc
+        finally:
+            os.close(fd)
+        start = end
+
+
+def _verified(key: RecordKey, loc, record: memoryview) -> RawRecord:
+    header = parse_header(record)
+    if (header.doc, header.group, header.start, header.end, header.seq, header.length) != \
+            (key.doc, key.group, key.start, key.end, loc.header.seq, loc.length):
+        raise CorruptRecordError(f"record at {segment_name(loc.segment)}:{loc.offset} is not the "
+                                 f"one indexed ({header.key} seq {header.seq})")
+    check_crc(header, record)
+    return RawRecord(key, header.codec, header.torch_dtype, header.shape, record[HEADER.size:])

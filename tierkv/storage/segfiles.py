@@ -1,0 +1,258 @@
+"""The segment files of one disk-tier directory: listing, scanning, appending, reclaiming.
+
+Every change (append, torn-tail cut, compaction, deletion) happens under the directory's
+exclusive lock, after a refresh that takes in what other processes appended. The highest-numbered
+segment is never deleted (a fresh one is created first), so segment names are never reused and a
+record, once written, never changes: readers need no lock.
+"""
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from .base import CorruptRecordError
+from .diskindex import DiskIndex, SegmentInfo
+from .locking import DirLock
+from .manifest import DiskWriteError
+from .segment import HEADER, MAGIC, SEGMENT_RE, Scanned, check_crc, parse_header, \
+    scan_segment, segment_name
+
+_RO = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_WO = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class SegmentDir:
+    """Segments of ``path`` and the index rebuilt from them.
+
+    Attributes ``foreign`` (segment-named files that hold no tierkv record: left untouched),
+    ``refused`` (symlinks and non-regular files), ``problems`` (skipped bad bytes) and
+    ``truncated`` (torn tails cut, bytes per file) describe what scanning found.
+    """
+
+    def __init__(self, path: Path, segment_size: int):
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+        self.dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.lock = DirLock(self.dir_fd)
+        self.segment_size = segment_size
+        self.index = DiskIndex()
+        self.foreign: dict[str, str] = {}
+        self.refused: dict[str, str] = {}
+        self.problems: list[str] = []
+        self.truncated: dict[str, int] = {}
+        self.bytes_written = 0
+        self.generation = 0  # bumped whenever the index changes other than by this append
+        self._unusable: set[int] = set()  # foreign or refused: never read, written or reused
+        self._sealed: set[int] = set()
+        self._writer: tuple[int, int] | None = None
+
+    # -- scanning -----------------------------------------------------------------------
+    def refresh(self) -> bool:
+        """Take in segments and tails written since the last refresh; True if any changed."""
+        with self.lock.exclusive():
+            sizes = self._list()
+            gone = set(self.index.segments) - set(sizes)
+            if gone:
+                self.index = self.index.without(gone)
+            changed = bool(gone)
+            for number in sorted(set(sizes) - self._unusable):
+                info = self.index.segments.get(number)
+                if info is None or info.size != sizes[number]:
+                    changed |= self._scan_tail(number)
+            self.generation += changed
+            return changed
+
+    def _list(self) -> dict[int, int]:
+        """Size of every regular segment file, by number (symlinks and the like are refused)."""
+        sizes = {}
+        with os.scandir(self.dir_fd) as entries:
+            for entry in entries:
+                match = SEGMENT_RE.match(entry.name)
+                if not match:
+                    continue
+                st = entry.stat(follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    self.refused[entry.name] = "symlink or not a regular file: not read"
+                    self._unusable.add(int(match.group(1)))
+                    continue
+                sizes[int(match.group(1))] = st.st_size
+        return sizes
+
+    def _scan_tail(self, number: int) -> bool:
+        info = self.index.segments.get(number)
+        start = info.size if info is not None else 0
+        fd = self.open_read(number)
+        try:
+            size = os.fstat(fd).st_size
+            if info is not None and size == start:
+                return False
+            if size < start:  # cut by another process: rebuild that segment from its start
+                self.index = self.index.without({number})
+                start = 0
+            if start == 0 and size and os.pread(fd, len(MAGIC), 0) != MAGIC \
+                    and not scan_segment(fd, 0, size)[0]:
+                self._mark_foreign(number)
+                return False
+            found, valid_end, problems = scan_segment(fd, start, size)
+        finally:
+            os.close(fd)
+        self._take_in(number, found, problems)
+        self.index.segments[number].size = valid_end
+        if valid_end < size:
+            self._cut_tail(number, valid_end, size)
+        return True
+
+    def _mark_foreign(self, number: int) -> None:
+        name = segment_name(number)
+        self._unusable.add(number)
+        self.foreign[name] = "no tierkv record in it: not a tierkv segment, left untouched"
+
+    def _take_in(self, number: int, found: list[Scanned], problems: list[str]) -> None:
+        self.index.segments.setdefault(number, SegmentInfo(number))
+        for record in found:
+            self.index.add(number, record)
+        self.problems += [f"{segment_name(number)} {p}" for p in problems]
+
+    def _cut_tail(self, number: int, valid_end: int, size: int) -> None:
+        name = segment_name(number)
+        fd = os.open(name, _WO, dir_fd=self.dir_fd)
+        try:
+            os.ftruncate(fd, valid_end)
+        finally:
+            os.close(fd)
+        self.truncated[name] = self.truncated.get(name, 0) + size - valid_end
+
+    def open_read(self, number: int) -> int:
+        """A read-only descriptor of segment ``number`` (FileNotFoundError once it is deleted)."""
+        return os.open(segment_name(number), _RO, dir_fd=self.dir_fd)
+
+    # -- appending ----------------------------------------------------------------------
+    def append(self, make_record, moved: bool = False):
+        """Append ``make_record(seq)`` (the record's buffers for the next seq) to the active file.
+
+        Returns (segment, Scanned, keys no longer live, key now live). On a write error the
+        partial record is cut off again and DiskWriteError raised; nothing else changes.
+        """
+        with self.lock.exclusive():
+            self.refresh()
+            parts = make_record(self.index.max_seq + 1)
+            size = sum(len(p) for p in parts)
+            number, fd = self._active(size)
+            offset = self.index.segments[number].size
+            try:
+                _write_all(fd, parts, offset)
+            except OSError as exc:
+                self._cut_after_failure(fd, number, offset)
+                raise DiskWriteError(f"writing {size} B to {segment_name(number)} "
+                                     f"failed: {exc}") from exc
+            self.index.segments[number].size = offset + size
+            self.bytes_written += size
+            record = Scanned(parse_header(parts[0][:HEADER.size]), offset)
+            return (number, record) + self.index.add(number, record, moved)
+
+    def _active(self, nbytes: int) -> tuple[int, int]:
+        top = max(set(self.index.segments) | self._unusable, default=0)
+        info = self.index.segments.get(top)
+        if info is None or top in self._sealed or \
+                (info.size and info.size + nbytes > self.segment_size):
+            top = self._create(top + 1)
+        if self._writer is None or self._writer[0] != top:
+            self._close_writer()
+            self._writer = (top, os.open(segment_name(top), _WO, dir_fd=self.dir_fd))
+        return self._writer
+
+    def _create(self, number: int) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        os.close(os.open(segment_name(number), flags, 0o644, dir_fd=self.dir_fd))
+        self.index.segments[number] = SegmentInfo(number)
+        return number
+
+    def _cut_after_failure(self, fd: int, number: int, offset: int) -> None:
+        try:
+            os.ftruncate(fd, offset)
+        except OSError:  # the garbage stays at this file's tail: write on in a fresh segment
+            self._sealed.add(number)
+
+    def sync(self) -> None:
+        """fsync the active segment and the directory (DiskWriteError on failure)."""
+        with self.lock.exclusive():
+            try:
+                if self._writer is not None:
+                    os.fsync(self._writer[1])
+                os.fsync(self.dir_fd)
+            except OSError as exc:
+                raise DiskWriteError(f"fsync of {self.path} failed: {exc}") from exc
+
+    # -- reclaiming ---------------------------------------------------------------------
+    def reclaim(self, max_dead: float = 0.5) -> tuple[int, int]:
+        """Delete dead segments and compact those more than ``max_dead`` dead.
+
+        Live records are copied (same seq) and fsynced before the old file is unlinked, so a
+        crash at any point leaves every live record in at least one segment.
+        Returns (segments deleted, segments compacted).
+        """
+        deleted = compacted = 0
+        with self.lock.exclusive():
+            self.refresh()
+            for number in sorted(self.index.segments):
+                info = self.index.segments[number]
+                live = [r for r in info.records if self.index.is_live(number, r)]
+                if not info.size or sum(r.header.length for r in live) > (1 - max_dead) * info.size:
+                    continue
+                if number == max(self.index.segments):
+                    self._create(number + 1)
+                if not all([self._copy(number, record) for record in live]):
+                    continue  # a live record is corrupt: keep its file as evidence
+                if live:
+                    self.sync()
+                self._delete(number)
+                deleted, compacted = deleted + (not live), compacted + bool(live)
+        return deleted, compacted
+
+    def _copy(self, number: int, record: Scanned) -> bool:
+        fd = self.open_read(number)
+        try:
+            data = os.pread(fd, record.header.length, record.offset)
+        finally:
+            os.close(fd)
+        try:
+            check_crc(record.header, data)
+        except CorruptRecordError:
+            return False
+        self.append(lambda seq: (data,), moved=True)
+        return True
+
+    def _delete(self, number: int) -> None:
+        if self._writer is not None and self._writer[0] == number:
+            self._close_writer()
+        try:
+            os.unlink(segment_name(number), dir_fd=self.dir_fd)
+            os.fsync(self.dir_fd)
+        except OSError as exc:
+            raise DiskWriteError(f"deleting {segment_name(number)} failed: {exc}") from exc
+        self.index = self.index.without({number})
+        self.generation += 1
+
+    def _close_writer(self) -> None:
+        if self._writer is not None:
+            os.close(self._writer[1])
+            self._writer = None
+
+    def close(self) -> None:
+        self._close_writer()
+        self.lock.close()
+        os.close(self.dir_fd)
+
+
+def _write_all(fd: int, parts, offset: int) -> None:
+    """``pwritev`` of ``parts`` at ``offset``, continuing after short writes."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        written = os.pwritev(fd, views, offset)
+        offset += written
+        while views and written >= len(views[0]):
+            written -= len(views[0])
+            views.pop(0)
+        if views:
+            views[0] = views[0][written:]

@@ -1,0 +1,207 @@
+"""The on-disk record format: a fixed little-endian header followed by the payload.
+
+Layout of one record (``HEADER.size`` = 144 bytes of header, then ``stored_len`` bytes)::
+
+    magic "TKVR" | version u16 | kind u8 | codec u8 | dtype u8 | doc_len u8 |
+    layers u16 | kv_heads u16 | head_dim u16 | group u64 | start u64 | end u64 |
+    raw_len u64 | stored_len u64 | seq u64 | doc 64s | reserved 12 bytes | crc32 u32
+
+``crc32`` is ``crc32(header bytes before it, crc32(payload))``, so the payload's part is computed
+outside any lock. ``seq`` is a store-wide sequence
+number: among records for one key the highest ``seq`` wins, tombstones included. Records are never
+changed after they are written; files only grow (or lose a torn tail).
+"""
+from __future__ import annotations
+
+import os
+import re
+import struct
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from .base import CorruptRecordError, RecordKey
+
+MAGIC = b"TKVR"
+VERSION = 1
+HEADER = struct.Struct("<4sHBBBBHHHQQQQQQ64s12xI")
+KIND_DATA, KIND_DOC_TOMBSTONE, KIND_KEY_TOMBSTONE = 0, 1, 2
+DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+DTYPES_BY_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
+SEGMENT_RE = re.compile(r"^seg-(\d{6})\.tkv$")
+MAX_STORED = 1 << 40
+_SCAN_WINDOW = 1 << 20
+
+
+def segment_name(number: int) -> str:
+    return f"seg-{number:06d}.tkv"
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    """The decoded header of one record."""
+
+    kind: int
+    codec: int
+    dtype: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    group: int
+    start: int
+    end: int
+    raw_len: int
+    stored_len: int
+    seq: int
+    doc: str
+    crc: int
+
+    @property
+    def length(self) -> int:
+        """Bytes of the whole record (header and payload)."""
+        return HEADER.size + self.stored_len
+
+    @property
+    def key(self) -> RecordKey:
+        return RecordKey(self.doc, self.group, self.start, self.end)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.layers, self.kv_heads, self.end - self.start, self.head_dim)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES_BY_CODE[self.dtype]
+
+
+def pack_record(kind: int, key: RecordKey, seq: int, payload=b"", *, payload_crc: int | None = None,
+                codec: int = 0, dtype: torch.dtype | None = None, shape=(0, 0, 0, 0),
+                raw_len: int = 0) -> tuple[bytes, bytes]:
+    """(header, payload) of one record, written back to back (``payload_crc``: its crc32 if known).
+    """
+    doc = key.doc.encode()
+    layers, kv_heads, _, head_dim = shape
+    dcode = DTYPE_CODES[dtype] if dtype is not None else 0
+    fields = (MAGIC, VERSION, kind, codec, dcode, len(doc), layers, kv_heads, head_dim,
+              key.group, key.start, key.end, raw_len, len(payload), seq, doc)
+    head = HEADER.pack(*fields, 0)[:-4]
+    if payload_crc is None:
+        payload_crc = zlib.crc32(payload)
+    crc = zlib.crc32(head, payload_crc)
+    return head + struct.pack("<I", crc), payload
+
+
+def parse_header(buf) -> RecordHeader:
+    """Decode and sanity-check a header (not the crc: see ``check_crc``).
+
+    Raises CorruptRecordError naming the first bad field.
+    """
+    if len(buf) < HEADER.size:
+        raise CorruptRecordError(f"record header truncated: {len(buf)} of {HEADER.size} bytes")
+    (magic, version, kind, codec, dtype, doc_len, layers, kv_heads, head_dim, group, start, end,
+     raw_len, stored_len, seq, doc, crc) = HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        raise CorruptRecordError(f"bad magic {magic!r}: not a tierkv record")
+    if version != VERSION:
+        raise CorruptRecordError(f"record format version {version}: this build reads {VERSION}")
+    if kind not in (KIND_DATA, KIND_DOC_TOMBSTONE, KIND_KEY_TOMBSTONE):
+        raise CorruptRecordError(f"record kind {kind} unknown")
+    if not 0 < doc_len <= 64 or any(doc[doc_len:]):
+        raise CorruptRecordError(f"record doc name length {doc_len} invalid")
+    if stored_len > MAX_STORED or raw_len > MAX_STORED:
+        raise CorruptRecordError(f"record lengths {raw_len}/{stored_len} absurd")
+    header = RecordHeader(kind, codec, dtype, layers, kv_heads, head_dim, group, start, end,
+                          raw_len, stored_len, seq, _decode_doc(doc[:doc_len]), crc)
+    _check_fields(header)
+    return header
+
+
+def _decode_doc(raw: bytes) -> str:
+    try:
+        return raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise CorruptRecordError("record doc name is not ASCII") from None
+
+
+def _check_fields(h: RecordHeader) -> None:
+    try:
+        key = RecordKey(h.doc, h.group, h.start, max(h.end, h.start + 1))
+    except ValueError as exc:
+        raise CorruptRecordError(f"record key invalid: {exc}") from None
+    if h.kind == KIND_DATA:
+        if h.dtype not in DTYPES_BY_CODE or min(h.layers, h.kv_heads, h.head_dim) < 1:
+            raise CorruptRecordError(f"record of {key}: dtype code {h.dtype} or shape invalid")
+        if h.end <= h.start:
+            raise CorruptRecordError(f"record of {key}: empty token range")
+        itemsize = h.torch_dtype.itemsize
+        expect = 2 * h.layers * h.kv_heads * (h.end - h.start) * h.head_dim * itemsize
+        if h.raw_len != expect:
+            raise CorruptRecordError(f"record of {key}: raw length {h.raw_len} != {expect}")
+    elif h.stored_len or h.raw_len:
+        raise CorruptRecordError(f"tombstone of {key} carries a payload")
+
+
+def check_crc(header: RecordHeader, record) -> None:
+    """Raise CorruptRecordError unless ``record`` (header + payload bytes) matches its crc32."""
+    view = memoryview(record)
+    if len(view) != header.length:
+        raise CorruptRecordError(f"record truncated: {len(view)} of {header.length} bytes")
+    crc = zlib.crc32(view[:HEADER.size - 4], zlib.crc32(view[HEADER.size:]))
+    if crc != header.crc:
+        raise CorruptRecordError(f"record crc32 mismatch ({crc:#010x} != {header.crc:#010x})")
+
+
+@dataclass(frozen=True)
+class Scanned:
+    """A valid record found by ``scan_segment``."""
+
+    header: RecordHeader
+    offset: int
+
+
+def scan_segment(fd: int, start: int, end: int) -> tuple[list[Scanned], int, list[str]]:
+    """Every valid record of a segment file in ``[start, end)``.
+
+    Invalid bytes are skipped up to the next valid record (found by its magic and crc).
+    Returns the records, the end of the last valid record (the place to cut a torn tail) and a
+    description of each skipped region.
+    """
+    found, problems, offset, valid_end = [], [], start, start
+    while offset < end:
+        try:
+            header = _read_valid(fd, offset, end)
+        except CorruptRecordError as exc:
+            nxt = _next_valid(fd, offset + 1, end)
+            if nxt is None:
+                problems.append(f"offset {offset}: {exc}; {end - offset} bytes to end dropped")
+                break
+            problems.append(f"offset {offset}: {exc}; {nxt - offset} bytes skipped")
+            offset = nxt
+            continue
+        found.append(Scanned(header, offset))
+        offset = valid_end = offset + header.length
+    return found, valid_end, problems
+
+
+def _read_valid(fd: int, offset: int, end: int) -> RecordHeader:
+    header = parse_header(os.pread(fd, HEADER.size, offset))
+    if offset + header.length > end:
+        raise CorruptRecordError(f"record runs past end of file ({header.length} bytes)")
+    check_crc(header, os.pread(fd, header.length, offset))
+    return header
+
+
+def _next_valid(fd: int, offset: int, end: int) -> int | None:
+    """Offset of the next valid record at or after ``offset``, searching by magic."""
+    while offset < end:
+        window = os.pread(fd, min(_SCAN_WINDOW, end - offset), offset)
+        pos = window.find(MAGIC)
+        while pos >= 0:
+            try:
+                _read_valid(fd, offset + pos, end)
+                return offset + pos
+            except CorruptRecordError:
+                pos = window.find(MAGIC, pos + 1)
+        offset += max(1, len(window) - len(MAGIC) + 1)
+    return None

@@ -1,0 +1,182 @@
+"""Min/max key summaries of chunks and their upper-bound score (LKA, from LeoAM and Quest).
+
+A chunk's summary is the per-head, per-dimension minimum and maximum of its keys (post-RoPE, as
+stored). For a query ``q`` and every key ``k`` of the chunk,
+``q . k <= sum_d max(q_d * kmin_d, q_d * kmax_d)``, so a chunk can be ranked without reading it.
+
+Everything is computed in fp32: fp16 and bf16 keys convert to fp32 exactly, so ``kmin``/``kmax``
+are exact. The bound's own sum and anyone's fp32 dot product ``q . k`` each carry a rounding
+error of at most ``gamma_d * sum_d |q_d| max(|kmin_d|, |kmax_d|)`` with
+``gamma_d = d u / (1 - d u)``, ``u = 2**-24``; the score's own centre/radius form adds about
+twice that, so it adds ``4 gamma_(d+4)`` times the scale and stays an upper bound of the
+*computed* ``q . k`` as well as of the exact one.
+"""
+from __future__ import annotations
+
+import torch
+
+_KEY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_UNIT_ROUNDOFF = 2.0 ** -24
+
+
+def _check_keys(keys: torch.Tensor) -> None:
+    if not isinstance(keys, torch.Tensor) or keys.dim() != 3:
+        raise ValueError(f"keys: expected a tensor (kv_heads, n, head_dim), got "
+                         f"{tuple(keys.shape) if isinstance(keys, torch.Tensor) else type(keys)}")
+    if keys.dtype not in _KEY_DTYPES:
+        raise ValueError(f"keys dtype {keys.dtype}: must be float16, bfloat16 or float32")
+    if keys.shape[1] == 0:
+        raise ValueError("keys: a chunk needs at least one token")
+
+
+def _check_bounds(bounds: torch.Tensor, n: int) -> torch.Tensor:
+    if not isinstance(bounds, torch.Tensor) or bounds.dim() != 1 or bounds.numel() < 2:
+        raise ValueError("bounds: expected a 1-D LongTensor (m+1,) with m >= 1")
+    bounds = bounds.to(torch.long)
+    if bounds[0] != 0 or bounds[-1] != n or bool((bounds[1:] <= bounds[:-1]).any()):
+        raise ValueError(f"bounds must increase strictly from 0 to {n}, got {bounds.tolist()[:8]}...")
+    return bounds
+
+
+def summarize(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summary of one chunk.
+
+    Parameters
+    ----------
+    keys : Tensor, shape (kv_heads, n, head_dim), fp16/bf16/fp32, post-RoPE.
+
+    Returns
+    -------
+    kmin, kmax : Tensor, shape (kv_heads, head_dim), fp32.
+    """
+    _check_keys(keys)
+    k = keys.float()
+    return k.amin(dim=1), k.amax(dim=1)
+
+
+def segment_minmax(kmin: torch.Tensor, kmax: torch.Tensor, bounds: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min of ``kmin`` and max of ``kmax`` over consecutive segments of the first axis.
+
+    Parameters
+    ----------
+    kmin, kmax : Tensor, shape (n, ...), fp32.
+    bounds : LongTensor, shape (m+1,), strictly increasing from 0 to n.
+
+    Returns
+    -------
+    Tensor, Tensor, shape (m, ...): segment ``i`` reduces rows ``[bounds[i], bounds[i+1])``.
+    """
+    n = kmin.shape[0]
+    bounds = _check_bounds(bounds, n)
+    m = bounds.numel() - 1
+    segment = torch.repeat_interleave(torch.arange(m), bounds.diff())
+    index = segment.view(n, *([1] * (kmin.dim() - 1))).expand_as(kmin)
+    shape = (m, *kmin.shape[1:])
+    lo = kmin.new_empty(shape).scatter_reduce_(0, index, kmin, "amin", include_self=False)
+    hi = kmax.new_empty(shape).scatter_reduce_(0, index, kmax, "amax", include_self=False)
+    return lo, hi
+
+
+def summarize_segments(keys: torch.Tensor, bounds: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summaries of consecutive chunks of one key tensor, without a loop over chunks.
+
+    Parameters
+    ----------
+    keys : Tensor, shape (kv_heads, n, head_dim), fp16/bf16/fp32, post-RoPE.
+    bounds : LongTensor, shape (m+1,), chunk ``i`` is tokens ``[bounds[i], bounds[i+1])``.
+
+    Returns
+    -------
+    kmin, kmax : Tensor, shape (m, kv_heads, head_dim), fp32.
+    """
+    _check_keys(keys)
+    k = keys.float().transpose(0, 1)  # (n, kv_heads, head_dim)
+    return segment_minmax(k, k, bounds)
+
+
+def merge_summaries(kmin: torch.Tensor, kmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summary of the union of chunks: elementwise min / max over the first axis.
+
+    Parameters
+    ----------
+    kmin, kmax : Tensor, shape (m, kv_heads, head_dim).
+
+    Returns
+    -------
+    Tensor, Tensor, shape (kv_heads, head_dim).
+    """
+    if kmin.shape != kmax.shape or kmin.dim() != 3 or kmin.shape[0] == 0:
+        raise ValueError(f"kmin {tuple(kmin.shape)} / kmax {tuple(kmax.shape)}: expected equal "
+                         "non-empty shapes (m, kv_heads, head_dim)")
+    return kmin.amin(dim=0), kmax.amax(dim=0)
+
+
+def _gamma(head_dim: int) -> float:
+    terms = head_dim + 4  # the d-term dot products, centre/radius rounding, the final additions
+    return terms * _UNIT_ROUNDOFF / (1 - terms * _UNIT_ROUNDOFF)
+
+
+def _group_product(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """(kv_heads, g, d) x (m, kv_heads, d) -> (m, kv_heads, g), one batched matmul."""
+    return torch.bmm(q, k.permute(1, 2, 0)).permute(2, 0, 1)
+
+
+def _grouped_query(query: torch.Tensor, kmin: torch.Tensor) -> torch.Tensor:
+    m, kv_heads, head_dim = kmin.shape
+    if query.dim() != 2 or query.shape[1] != head_dim or query.shape[0] % kv_heads:
+        raise ValueError(f"query {tuple(query.shape)}: expected (kv_heads * g, {head_dim}) "
+                         f"with kv_heads={kv_heads}")
+    return query.float().view(kv_heads, -1, head_dim)
+
+
+def bound_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Upper bound of ``q . k`` over each chunk's keys, per query head.
+
+    Parameters
+    ----------
+    query : Tensor, shape (q_heads, head_dim), post-RoPE; q_heads = kv_heads * g (GQA: query
+        head ``h`` reads kv head ``h // g``).
+    kmin, kmax : Tensor, shape (m, kv_heads, head_dim).
+
+    Returns
+    -------
+    Tensor, shape (m, kv_heads, g), fp32: ``sum_d max(q_d kmin_d, q_d kmax_d)``, computed as
+    ``q . c + |q| . r`` (centre ``c``, radius ``r`` of each interval), plus the fp32 rounding
+    slack ``4 gamma * |q| . max(|kmin|, |kmax|)`` (module docstring).
+    """
+    q = _grouped_query(query, kmin)
+    lo, hi = kmin.float(), kmax.float()
+    centre, radius = (lo + hi) * 0.5, (hi - lo) * 0.5
+    slack = 4 * _gamma(q.shape[-1]) * torch.maximum(lo.abs(), hi.abs())
+    return _group_product(q, centre) + _group_product(q.abs(), radius + slack)
+
+
+def rounding_margin(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """How far fp32 rounding may push a chunk's layer-level score below a sub-chunk's, (m,).
+
+    In exact arithmetic a union's bound is never below a part's; computed bounds may differ by
+    up to this much, so pruning keeps a node when ``score + margin >= threshold``.
+    """
+    q = _grouped_query(query, kmin)
+    kabs = torch.maximum(kmin.float().abs(), kmax.float().abs())
+    return 8 * _gamma(q.shape[-1]) * _group_product(q.abs(), kabs).amax(dim=(1, 2))
+
+
+def chunk_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-kv-head and layer-level bound scores of chunks.
+
+    Parameters
+    ----------
+    query : Tensor, shape (q_heads, head_dim).
+    kmin, kmax : Tensor, shape (m, kv_heads, head_dim).
+
+    Returns
+    -------
+    per_head : Tensor, shape (m, kv_heads): max over the GQA group's query heads.
+    per_layer : Tensor, shape (m,): max over all heads.
+    """
+    per_head = bound_scores(query, kmin, kmax).amax(dim=2)
+    return per_head, per_head.amax(dim=1)

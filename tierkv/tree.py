@@ -1,0 +1,342 @@
+"""The adaptive chunk tree of one layer group (IAKM, from LeoAM).
+
+Leaves tile the sealed tokens ``[0, n)``: contiguous, non-overlapping, each ``config.min`` to
+``config.max`` tokens, except the *tail* (the last leaf) which may be shorter than ``min`` while
+it grows: the next append joins it. Leaves are a structure of arrays (``bounds``, ``kmin``,
+``kmax``, ``ema``, ``selected_count``, ``cold``) so scoring and statistics are vectorised.
+
+Payloads live in *records* (opaque handles with a token range) which tile ``[0, n)`` on their
+own. After a merge or a split, leaves and records differ; ``records_for`` tells which records to
+fetch for some leaves (the caller slices), and ``pending_rewrites`` lists the record rewrites
+that would make them match again, for the storage to do when idle and ``commit_rewrite``.
+
+Above the leaves, ``levels`` keeps a min/max summary of every ``FANOUT**j`` consecutive leaves,
+so a search can prune a whole subtree whose bound is below the current k-th best.
+"""
+from __future__ import annotations
+
+from typing import Hashable, NamedTuple
+
+import torch
+
+from tierkv.config import ChunkConfig
+from tierkv.summary import segment_minmax, summarize
+
+FANOUT = 4
+
+
+class RecordRef(NamedTuple):
+    """A stored payload: an opaque ``handle`` holding tokens ``[start, end)``."""
+
+    handle: Hashable
+    start: int
+    end: int
+
+
+class Rewrite(NamedTuple):
+    """Rewrite the records ``old`` (contiguous) as new records cut at ``cuts``."""
+
+    old: tuple[RecordRef, ...]
+    cuts: tuple[int, ...]
+
+
+class SplitRequest(NamedTuple):
+    """Leaf ``[start, end)`` wants to split at ``cut``; ``first_share`` of its mass is left of it."""
+
+    start: int
+    end: int
+    cut: int
+    first_share: float
+
+
+class Changes(NamedTuple):
+    """What ``update`` did: leaves made by merges, and splits that need the leaves' keys."""
+
+    merged: list[tuple[int, int]]
+    splits: list[SplitRequest]
+
+
+class ChunkTree:
+    """Leaves over the sealed tokens of one layer group, with summaries and statistics.
+
+    Parameters
+    ----------
+    config : ChunkConfig, leaf sizes and adaptation rules.
+    kv_heads, head_dim : int, shape of one token's keys.
+    """
+
+    def __init__(self, config: ChunkConfig, kv_heads: int, head_dim: int):
+        if not isinstance(config, ChunkConfig):
+            raise ValueError(f"config={config!r}: expected a ChunkConfig")
+        for name, value in (("kv_heads", kv_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be a positive integer")
+        self.config, self.kv_heads, self.head_dim = config, kv_heads, head_dim
+        self.bounds = torch.zeros(1, dtype=torch.long)
+        self.kmin = torch.empty(0, kv_heads, head_dim)
+        self.kmax = torch.empty(0, kv_heads, head_dim)
+        self.ema = torch.empty(0)
+        self.selected_count = torch.empty(0, dtype=torch.long)
+        self.cold = torch.empty(0, dtype=torch.long)
+        self._records: list[RecordRef] = []
+        self._levels: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    # -- shape ------------------------------------------------------------------------
+    @property
+    def n(self) -> int:
+        """Sealed tokens covered by the leaves."""
+        return int(self.bounds[-1])
+
+    @property
+    def num_leaves(self) -> int:
+        return self.bounds.numel() - 1
+
+    @property
+    def sizes(self) -> torch.Tensor:
+        """Tokens per leaf, LongTensor (m,)."""
+        return self.bounds.diff()
+
+    @property
+    def records(self) -> list[RecordRef]:
+        return list(self._records)
+
+    # -- growth -----------------------------------------------------------------------
+    def append(self, start: int, end: int, kmin: torch.Tensor, kmax: torch.Tensor,
+               record: Hashable) -> None:
+        """Seal tokens ``[start, end)`` (``start == n``) stored in ``record``.
+
+        kmin, kmax : Tensor, shape (kv_heads, head_dim). A short tail (< min tokens) absorbs the
+        new tokens; the result must not exceed ``max``.
+        """
+        size = end - start
+        if start != self.n or not 1 <= size <= self.config.max:
+            raise ValueError(f"append [{start}, {end}): must start at n={self.n} and hold 1 to "
+                             f"max={self.config.max} tokens")
+        if kmin.shape != (self.kv_heads, self.head_dim) or kmax.shape != kmin.shape:
+            raise ValueError(f"kmin {tuple(kmin.shape)} / kmax {tuple(kmax.shape)}: expected "
+                             f"({self.kv_heads}, {self.head_dim})")
+        lo, hi = kmin.float()[None], kmax.float()[None]
+        self._records.append(RecordRef(record, start, end))
+        self._levels = None
+        if self.num_leaves and int(self.sizes[-1]) < self.config.min:
+            self._grow_tail(end, lo, hi)
+            return
+        self.bounds = torch.cat([self.bounds, self.bounds.new_tensor([end])])
+        self.kmin, self.kmax = torch.cat([self.kmin, lo]), torch.cat([self.kmax, hi])
+        self.ema = torch.cat([self.ema, self.ema.new_tensor([size / end])])
+        self.selected_count = torch.cat([self.selected_count, self.cold.new_zeros(1)])
+        self.cold = torch.cat([self.cold, self.cold.new_zeros(1)])
+
+    def _grow_tail(self, end, lo, hi) -> None:
+        if end - int(self.bounds[-2]) > self.config.max:
+            raise ValueError(f"appending up to {end} after a short tail would make a leaf over "
+                             f"max={self.config.max} tokens; only the last append may be short")
+        self.ema[-1] += (end - self.n) / end
+        self.bounds[-1] = end
+        self.kmin[-1] = torch.minimum(self.kmin[-1], lo[0])
+        self.kmax[-1] = torch.maximum(self.kmax[-1], hi[0])
+
+    def append_keys(self, keys: torch.Tensor, record: Hashable) -> None:
+        """Seal ``keys`` (kv_heads, t, head_dim) as tokens ``[n, n + t)`` stored in ``record``."""
+        kmin, kmax = summarize(keys)
+        self.append(self.n, self.n + keys.shape[1], kmin, kmax, record)
+
+    # -- statistics -------------------------------------------------------------------
+    def mass_per_leaf(self, token_scores: torch.Tensor) -> torch.Tensor:
+        """Sum of ``token_scores`` (L,) with L >= n over each leaf: Tensor (m,), fp32.
+
+        Tokens past ``n`` (the unsealed window) are ignored.
+        """
+        if token_scores.dim() != 1 or token_scores.numel() < self.n:
+            raise ValueError(f"token_scores {tuple(token_scores.shape)}: expected (L,), L >= {self.n}")
+        prefix = self._prefix(token_scores)
+        return (prefix[self.bounds[1:]] - prefix[self.bounds[:-1]]).float()
+
+    def _prefix(self, token_scores: torch.Tensor) -> torch.Tensor:
+        prefix = torch.zeros(self.n + 1, dtype=torch.float64)
+        torch.cumsum(token_scores[: self.n].double(), 0, out=prefix[1:])
+        return prefix
+
+    def update(self, mass: torch.Tensor, selected: torch.Tensor,
+               token_scores: torch.Tensor | None = None) -> Changes:
+        """Fold one evaluation into the statistics, merge deserts, and ask for splits.
+
+        Parameters
+        ----------
+        mass : Tensor, shape (m,), attention mass per leaf, ``mass_per_leaf(token_scores)``.
+            Callers zero the sinks and the recent window first (``select.adaptation_scores``):
+            they are always fetched, and a sink's mass would make every other leaf look cold.
+        selected : BoolTensor, shape (m,), the leaves fetched this step.
+        token_scores : Tensor, shape (L,), the scores ``mass`` came from; without them no split
+            is proposed (concentration inside a leaf is unknown).
+        """
+        m = self.num_leaves
+        if mass.shape != (m,) or selected.shape != (m,) or selected.dtype != torch.bool:
+            raise ValueError(f"mass {tuple(mass.shape)} / selected {tuple(selected.shape)} "
+                             f"{selected.dtype}: expected ({m},) float and ({m},) bool")
+        total = float(mass.sum())
+        share = mass.float() / total if total > 0 else torch.zeros(m)
+        c = self.config
+        self.ema = c.ema * self.ema + (1 - c.ema) * share
+        self.selected_count += selected.long()
+        cold = self.ema < c.desert_threshold * self.sizes.float() / max(self.n, 1)
+        self.cold = torch.where(cold, self.cold + 1, 0)
+        candidates = selected | ((self.sizes > c.base) & ~cold)
+        splits = [] if token_scores is None else self._split_requests(mass, candidates,
+                                                                       token_scores)
+        eligible = self.cold >= c.merge_after
+        if m and int(self.sizes[-1]) < c.min:
+            eligible[-1] = False
+        for request in splits:
+            eligible[self.leaf_at(request.start)] = False
+        return Changes(self._merge(eligible), splits)
+
+    def _split_requests(self, mass, candidates, token_scores) -> list[SplitRequest]:
+        cuts = self.bounds[:-1] + self.sizes // 2
+        prefix = self._prefix(token_scores)
+        first = (prefix[cuts] - prefix[self.bounds[:-1]]).float()
+        frac = (first / mass.clamp(min=1e-30)).clamp(0, 1)
+        conc = torch.maximum(frac, 1 - frac) >= self.config.split_concentration
+        want = candidates & (mass > 0) & (self.sizes >= 2 * self.config.min) & conc
+        idx = want.nonzero().flatten().tolist()
+        return [SplitRequest(int(self.bounds[i]), int(self.bounds[i + 1]), int(cuts[i]),
+                             float(frac[i])) for i in idx]
+
+    # -- structure --------------------------------------------------------------------
+    def _merge(self, eligible: torch.Tensor) -> list[tuple[int, int]]:
+        sizes = self.sizes
+        pair = eligible[:-1] & eligible[1:] & (sizes[:-1] + sizes[1:] <= self.config.max)
+        if not bool(pair.any()):
+            return []
+        groups = _pack_runs(eligible.tolist(), sizes.tolist(), self.config.max)
+        merged = [(int(self.bounds[first]), int(self.bounds[last])) for first, last in groups]
+        keep = torch.ones(self.num_leaves + 1, dtype=torch.bool)
+        for first, last in groups:
+            keep[first + 1:last] = False
+        self._regroup(keep.nonzero().flatten())
+        return merged
+
+    def _regroup(self, leaf_bounds: torch.Tensor) -> None:
+        """Make leaf ``i`` the union of old leaves ``[leaf_bounds[i], leaf_bounds[i+1])``."""
+        self.kmin, self.kmax = segment_minmax(self.kmin, self.kmax, leaf_bounds)
+        segment = torch.repeat_interleave(torch.arange(leaf_bounds.numel() - 1), leaf_bounds.diff())
+        m = leaf_bounds.numel() - 1
+        self.ema = torch.zeros(m).index_add_(0, segment, self.ema)
+        self.selected_count = torch.zeros(m, dtype=torch.long).index_add_(0, segment, self.selected_count)
+        self.cold = torch.zeros(m, dtype=torch.long).scatter_reduce_(0, segment, self.cold, "amin",
+                                                                      include_self=False)
+        self.bounds = self.bounds[leaf_bounds]
+        self._levels = None
+
+    def split(self, request: SplitRequest, keys: torch.Tensor) -> None:
+        """Split the leaf of ``request`` at its cut, summarising the halves from ``keys``.
+
+        keys : Tensor, shape (kv_heads, end - start, head_dim), the leaf's keys.
+        """
+        i = self.leaf_at(request.start)
+        start, end = int(self.bounds[i]), int(self.bounds[i + 1])
+        if (start, end) != (request.start, request.end) or not start < request.cut < end:
+            raise ValueError(f"{request} does not match the current leaf [{start}, {end})")
+        if keys.shape != (self.kv_heads, end - start, self.head_dim):
+            raise ValueError(f"keys {tuple(keys.shape)}: expected "
+                             f"({self.kv_heads}, {end - start}, {self.head_dim})")
+        lo_a, hi_a = summarize(keys[:, : request.cut - start])
+        lo_b, hi_b = summarize(keys[:, request.cut - start:])
+        share = torch.tensor([request.first_share, 1 - request.first_share])
+        self.bounds = torch.cat([self.bounds[: i + 1], self.bounds.new_tensor([request.cut]),
+                                 self.bounds[i + 1:]])
+        self.kmin = torch.cat([self.kmin[:i], torch.stack([lo_a, lo_b]), self.kmin[i + 1:]])
+        self.kmax = torch.cat([self.kmax[:i], torch.stack([hi_a, hi_b]), self.kmax[i + 1:]])
+        self.ema = torch.cat([self.ema[:i], self.ema[i] * share, self.ema[i + 1:]])
+        count = self.selected_count[i: i + 1]
+        self.selected_count = torch.cat([self.selected_count[:i], count, self.selected_count[i:]])
+        self.cold = torch.cat([self.cold[:i], self.cold.new_zeros(2), self.cold[i + 1:]])
+        self._levels = None
+
+    def leaf_at(self, token: int) -> int:
+        """Index of the leaf holding ``token``."""
+        if not 0 <= token < self.n:
+            raise ValueError(f"token {token}: outside [0, {self.n})")
+        return int(torch.searchsorted(self.bounds, token, right=True)) - 1
+
+    # -- payloads ---------------------------------------------------------------------
+    def records_for(self, leaves: torch.Tensor) -> list[RecordRef]:
+        """The records holding the tokens of ``leaves`` (LongTensor (k,)), once each, by start."""
+        starts = torch.tensor([r.start for r in self._records] + [self.n])
+        first = torch.searchsorted(starts, self.bounds[leaves], right=True) - 1
+        last = torch.searchsorted(starts, self.bounds[leaves + 1], right=False)
+        covered = torch.zeros(len(self._records) + 1, dtype=torch.long)
+        covered.index_add_(0, first, torch.ones_like(first))
+        covered.index_add_(0, last, -torch.ones_like(last))
+        return [self._records[i] for i in (covered.cumsum(0) > 0).nonzero().flatten().tolist()]
+
+    def pending_rewrites(self) -> list[Rewrite]:
+        """Record rewrites that would give every leaf exactly one record of its own range."""
+        leaf_cuts = self.bounds.tolist()
+        record_cuts = [r.start for r in self._records] + [self.n]
+        common = sorted(set(leaf_cuts) & set(record_cuts))
+        rewrites = []
+        for lo, hi in zip(common, common[1:]):
+            old = tuple(r for r in self._records if lo <= r.start < hi)
+            cuts = tuple(c for c in leaf_cuts if lo <= c <= hi)
+            if len(old) > 1 or len(cuts) > 2:
+                rewrites.append(Rewrite(old, cuts))
+        return rewrites
+
+    def commit_rewrite(self, rewrite: Rewrite, handles: list[Hashable]) -> None:
+        """Replace ``rewrite.old`` by new records ``handles``, one per cut interval."""
+        cuts = rewrite.cuts
+        if len(handles) != len(cuts) - 1:
+            raise ValueError(f"{len(handles)} handles for {len(cuts) - 1} new records")
+        if not rewrite.old or rewrite.old[0] not in self._records:
+            raise ValueError("stale rewrite: its records are no longer current")
+        i = self._records.index(rewrite.old[0])
+        if tuple(self._records[i: i + len(rewrite.old)]) != rewrite.old:
+            raise ValueError("stale rewrite: its records are no longer current")
+        if (cuts[0], cuts[-1]) != (rewrite.old[0].start, rewrite.old[-1].end):
+            raise ValueError(f"cuts {cuts} do not span the old records")
+        new = [RecordRef(h, a, b) for h, a, b in zip(handles, cuts, cuts[1:])]
+        self._records[i: i + len(rewrite.old)] = new
+
+    # -- hierarchy --------------------------------------------------------------------
+    @property
+    def levels(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Summaries per level, leaves first: level j node i covers leaves
+        ``[i * FANOUT**j, (i + 1) * FANOUT**j)``; each level is (kmin, kmax) (m_j, kv_heads, d).
+        The top level has at most FANOUT nodes.
+        """
+        if self._levels is None:
+            levels = [(self.kmin, self.kmax)]
+            while levels[-1][0].shape[0] > FANOUT:
+                lo, hi = levels[-1]
+                cuts = torch.cat([torch.arange(0, lo.shape[0], FANOUT), torch.tensor([lo.shape[0]])])
+                levels.append(segment_minmax(lo, hi, cuts))
+            self._levels = levels
+        return self._levels
+
+    def validate(self) -> None:
+        """Raise RuntimeError unless leaves and records tile [0, n) within the size limits."""
+        sizes, c = self.sizes, self.config
+        m = self.num_leaves
+        body = sizes[:-1]
+        if m and (bool((body < c.min).any()) or bool((sizes > c.max).any()) or sizes[-1] < 1):
+            raise RuntimeError(f"leaf sizes {sizes.tolist()} outside [{c.min}, {c.max}]")
+        if int(self.bounds[0]) != 0 or any(t.shape[0] != m for t in (
+                self.kmin, self.kmax, self.ema, self.selected_count, self.cold)):
+            raise RuntimeError("leaf arrays disagree in length or do not start at 0")
+        ends = [0] + [r.end for r in self._records]
+        if [r.start for r in self._records] != ends[:-1] or ends[-1] != self.n:
+            raise RuntimeError("records do not tile [0, n)")
+
+
+def _pack_runs(eligible: list[bool], sizes: list[int], limit: int) -> list[tuple[int, int]]:
+    """Groups [first, last) of consecutive eligible leaves, packed left to right up to ``limit``."""
+    groups, i = [], 0
+    while i < len(sizes):
+        j, total = i + 1, sizes[i]
+        while eligible[i] and j < len(sizes) and eligible[j] and total + sizes[j] <= limit:
+            total, j = total + sizes[j], j + 1
+        if j - i > 1:
+            groups.append((i, j))
+        i = j
+    return groups
