@@ -2,18 +2,22 @@
 
 For each seeded document the model prefills, then decodes a few greedy steps; an attention
 function registered through ``transformers.AttentionInterface`` captures every layer's post-RoPE
-queries and keys. Per layer, two trees hold the prompt's sealed tokens: *fixed* (64-token
-leaves, never adapted) and *adaptive* (the same leaves, adapted by ``ChunkTree.update`` with the
-layer's exact attention of the last ``WARMUP`` prompt positions, then online after each step).
-At a 10 % token budget, each decode step measures:
+queries and keys. Per layer, one tree per case holds the prompt's sealed tokens (everything
+before the recent window): ``fixed64`` (64-token leaves, never adapted), ``adaptive`` (the
+project's default ChunkConfig) and ``adaptive_base64`` (adaptive, starting from 64-token leaves).
+Adaptive trees are adapted by ``ChunkTree.update`` with the layer's exact attention for the
+last ``WARMUP`` prompt positions, then online after each decode step. At a 10 % token budget,
+each decode step measures:
 
-* ``lka_mass_recall``: attention mass captured by the leaves chosen from summaries alone
-  (``select_by_query``) / mass of the exact top-k tokens (k = the budget);
+* ``lka_mass_recall``: attention mass (mean over heads) of the tokens chosen from summaries
+  alone (``select_by_query``: sinks + leaves + window) / mass of the exact top-k tokens
+  (k = the budget); ``chunk_oracle_recall``: the same for leaves chosen by exact scores
+  (``select_by_scores``), the best a leaf structure allows;
 * ``adaptive_vs_fixed_bytes``: tokens (hence bytes) fetched outside the sinks and window to
-  capture the mass the fixed tree captures at the budget, adaptive / fixed, with leaves ranked
-  by exact-score density (the filter-layer path) and, separately, by LKA bound;
-* summaries scored per step (adaptive with pruning, fixed exhaustively), desert fraction, and
-  the bookkeeping time.
+  capture the mass ``fixed64`` captures at the budget, adaptive / fixed, leaves ranked by
+  exact-score density (the filter-layer path); ``bytes(lka)``: the same with the LKA key;
+* summaries scored per step (pruned search; exhaustive = leaves), the desert fraction (tokens in
+  cold leaves), and the bookkeeping time of one layer.
 
 Run: ``python -m bench.selection [--quick]``.
 """
@@ -119,7 +123,8 @@ def adapt(tree: ChunkTree, probs: torch.Tensor, keys: torch.Tensor) -> None:
         tree.split(request, keys[:, request.start:request.end])
 
 
-def fetched_to_reach(tree: ChunkTree, rank: torch.Tensor, probs: torch.Tensor, target: float) -> int:
+def fetched_to_reach(tree: ChunkTree, rank: torch.Tensor, probs: torch.Tensor,
+                     target: float) -> int:
     """Tokens outside sinks/window fetched, taking leaves by ``rank`` (desc; leaves over the
     budget last, as in selection), until the captured mass reaches ``target``."""
     ctx = probs.numel()
@@ -234,16 +239,24 @@ def summarize_document(per_layer: list[list[dict]], trees: list[dict]) -> dict:
 
 
 def plot(path, trees, mean_probs, layers) -> None:
+    """Mean decode attention along the prompt, leaves shaded (grey: cold), leaf size in red."""
     fig, axes = plt.subplots(len(layers), 1, figsize=(12, 2.4 * len(layers)), sharex=True)
     for ax, layer in zip(axes, layers):
         tree, probs = trees[layer], mean_probs[layer]
-        for i, (a, b) in enumerate(zip(tree.bounds.tolist(), tree.bounds[1:].tolist())):
-            cold = bool(tree.cold[i] > 0)
-            ax.axvspan(a, b, color="#d0d0d0" if cold else ("#cfe3f7" if i % 2 else "#f7e3cf"),
-                       lw=0)
-        ax.semilogy(probs.clamp(min=1e-7).numpy(), lw=0.6, color="black")
+        bounds = tree.bounds.tolist()
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            ax.axvspan(a, b, color="#dddddd" if bool(tree.cold[i] > 0) else "#cfe3f7", lw=0)
+        ax.vlines(bounds, 1e-7, 1, colors="#888888", lw=0.3)
+        ax.semilogy(probs.clamp(min=1e-7).numpy(), lw=0.5, color="black")
+        ax.set_ylim(1e-7, 1)
         ax.set_ylabel(f"layer {layer}\nattention")
-        ax.set_title(f"layer {layer}: {tree.num_leaves} leaves (grey: cold / desert)", fontsize=9)
+        size = ax.twinx()
+        size.step(bounds, [int(s) for s in tree.sizes] + [int(tree.sizes[-1])], where="post",
+                  color="tab:red", lw=0.8)
+        size.set_yscale("log", base=2)
+        size.set_ylabel("leaf tokens", color="tab:red")
+        ax.set_title(f"layer {layer}: {tree.num_leaves} leaves over {tree.n} sealed tokens "
+                     "(blue: warm, grey: cold / desert; red: leaf size)", fontsize=9)
     axes[-1].set_xlabel("token position (prompt)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -288,7 +301,8 @@ def report(prompt: int, doc: dict) -> None:
         print(f"{name:14s} {c['lka_mass_recall']:10.3f} {c['lka_mass_recall_layers_2plus']:9.3f} "
               f"{c['chunk_oracle_recall']:9.3f} {c['vs_fixed64_bytes_exact_ranking']:11.3f} "
               f"{c['vs_fixed64_bytes_lka_ranking']:10.3f} "
-              f"{c['evaluations_per_step_pruned']:12.0f} {c['evaluations_per_step_exhaustive']:7.0f}")
+              f"{c['evaluations_per_step_pruned']:12.0f} "
+              f"{c['evaluations_per_step_exhaustive']:7.0f}")
     print("bookkeeping ms / layer:", doc["bookkeeping_ms_per_layer"])
 
 

@@ -292,6 +292,9 @@ def test_device_cache_evicts_by_importance_then_age():
     assert cache.admit(keys[4], _blk(keys[4], 200), 2.0)      # evicts the two 1.0 records
     assert {k for k in keys if k in cache} == {keys[1], keys[4]}
     assert (cache.hits, cache.misses) == (1, 0)
+    first = RecordKey("d", 0, 9, 10)                 # priority (first group of a plan) wins
+    assert cache.admit(first, _blk(first, 200), 0.0, priority=1)
+    assert first in cache and keys[1] in cache and keys[4] not in cache
 
 
 def test_device_cache_leaves_others_records_and_forgets_removed_ones():

@@ -1,0 +1,13 @@
+"""tierkv: long-context decoding with the KV cache on three tiers (device, host, disk)."""
+from .config import ChunkConfig, CodecConfig, SelectConfig, TierConfig, parse_size
+from .hf.cache import TieredCache
+from .hf.model import load_model
+from .shapes import KVShape
+from .storage.base import CorruptRecordError, KVBlock, RecordKey, StorageError, TierFullError
+from .storage.store import KVStore
+
+__all__ = [
+    "ChunkConfig", "CodecConfig", "CorruptRecordError", "KVBlock", "KVShape", "KVStore",
+    "RecordKey", "SelectConfig", "StorageError", "TierConfig", "TierFullError", "TieredCache",
+    "load_model", "parse_size",
+]

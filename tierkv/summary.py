@@ -34,7 +34,8 @@ def _check_bounds(bounds: torch.Tensor, n: int) -> torch.Tensor:
         raise ValueError("bounds: expected a 1-D LongTensor (m+1,) with m >= 1")
     bounds = bounds.to(torch.long)
     if bounds[0] != 0 or bounds[-1] != n or bool((bounds[1:] <= bounds[:-1]).any()):
-        raise ValueError(f"bounds must increase strictly from 0 to {n}, got {bounds.tolist()[:8]}...")
+        raise ValueError(f"bounds must increase strictly from 0 to {n}, "
+                         f"got {bounds.tolist()[:8]}...")
     return bounds
 
 

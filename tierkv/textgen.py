@@ -23,26 +23,28 @@ _TAILS = ["before the rain came", "during the spring festival", "without saying 
 
 @dataclass(frozen=True)
 class Fact:
-    """A fact planted in a document: the sentence, the question that asks it, the answer, and
-    the words that start the answer (given to the model as the start of its reply)."""
+    """A fact planted in a document: the sentence, the question that asks it, the answer, the
+    words that start the answer (given to the model as the start of its reply), and what kind of
+    thing is hidden (named in the instruction: small models retrieve far better when told)."""
 
     sentence: str
     question: str
     answer: str
     answer_prefix: str
+    hint: str
 
 
 def passkey_fact(rng: random.Random) -> Fact:
     key = str(rng.randint(10000, 99999))
     return Fact(f"The pass key is {key}. Remember it. {key} is the pass key.",
-                "What is the pass key?", key, "The pass key is")
+                "What is the pass key?", key, "The pass key is", "a pass key")
 
 
 def city_fact(rng: random.Random) -> Fact:
     name = rng.choice(["Anna", "Boris", "Clara", "David", "Elena", "Felix", "Greta", "Hugo"])
     city = rng.choice(["Lisbon", "Oslo", "Cairo", "Lima", "Vienna", "Dublin", "Seoul", "Quito"])
     return Fact(f"{name} lives in the city of {city}.", f"In which city does {name} live?", city,
-                f"{name} lives in the city of")
+                f"{name} lives in the city of", "the city where someone lives")
 
 
 def filler_sentence(rng: random.Random) -> str:
@@ -66,10 +68,11 @@ def make_document(tokenizer, n_tokens: int, seed: int, facts: list[Fact] = (),
     return " ".join(sentences)
 
 
-def chat_prompt(tokenizer, document: str, question: str, answer_prefix: str = "") -> str:
+def chat_prompt(tokenizer, document: str, question: str, answer_prefix: str = "",
+                hint: str = "important information") -> str:
     """The document and a question as one user turn of the model's chat template, with the
-    assistant's reply started by ``answer_prefix``."""
-    content = ("There is important information hidden in the text below. Find it and remember it."
+    assistant's reply started by ``answer_prefix``; ``hint`` names what is hidden in it."""
+    content = (f"There is {hint} hidden in the text below. Find it and remember it."
                f"\n\n{document}\n\n{question}")
     return question_turn(tokenizer, content, answer_prefix)
 

@@ -41,7 +41,7 @@ class Rewrite(NamedTuple):
 
 
 class SplitRequest(NamedTuple):
-    """Leaf ``[start, end)`` wants to split at ``cut``; ``first_share`` of its mass is left of it."""
+    """Leaf ``[start, end)`` wants to split at ``cut``; ``first_share`` of its mass lies left."""
 
     start: int
     end: int
@@ -115,10 +115,14 @@ class ChunkTree:
         if kmin.shape != (self.kv_heads, self.head_dim) or kmax.shape != kmin.shape:
             raise ValueError(f"kmin {tuple(kmin.shape)} / kmax {tuple(kmax.shape)}: expected "
                              f"({self.kv_heads}, {self.head_dim})")
+        grow = self.num_leaves > 0 and int(self.sizes[-1]) < self.config.min
+        if grow and end - int(self.bounds[-2]) > self.config.max:
+            raise ValueError(f"appending up to {end} after a short tail would make a leaf over "
+                             f"max={self.config.max} tokens; only the last append may be short")
         lo, hi = kmin.float()[None], kmax.float()[None]
         self._records.append(RecordRef(record, start, end))
         self._levels = None
-        if self.num_leaves and int(self.sizes[-1]) < self.config.min:
+        if grow:
             self._grow_tail(end, lo, hi)
             return
         self.bounds = torch.cat([self.bounds, self.bounds.new_tensor([end])])
@@ -128,9 +132,6 @@ class ChunkTree:
         self.cold = torch.cat([self.cold, self.cold.new_zeros(1)])
 
     def _grow_tail(self, end, lo, hi) -> None:
-        if end - int(self.bounds[-2]) > self.config.max:
-            raise ValueError(f"appending up to {end} after a short tail would make a leaf over "
-                             f"max={self.config.max} tokens; only the last append may be short")
         self.ema[-1] += (end - self.n) / end
         self.bounds[-1] = end
         self.kmin[-1] = torch.minimum(self.kmin[-1], lo[0])
@@ -148,7 +149,8 @@ class ChunkTree:
         Tokens past ``n`` (the unsealed window) are ignored.
         """
         if token_scores.dim() != 1 or token_scores.numel() < self.n:
-            raise ValueError(f"token_scores {tuple(token_scores.shape)}: expected (L,), L >= {self.n}")
+            raise ValueError(f"token_scores {tuple(token_scores.shape)}: expected (L,), "
+                             f"L >= {self.n}")
         prefix = self._prefix(token_scores)
         return (prefix[self.bounds[1:]] - prefix[self.bounds[:-1]]).float()
 
@@ -222,7 +224,8 @@ class ChunkTree:
         segment = torch.repeat_interleave(torch.arange(leaf_bounds.numel() - 1), leaf_bounds.diff())
         m = leaf_bounds.numel() - 1
         self.ema = torch.zeros(m).index_add_(0, segment, self.ema)
-        self.selected_count = torch.zeros(m, dtype=torch.long).index_add_(0, segment, self.selected_count)
+        self.selected_count = torch.zeros(m, dtype=torch.long).index_add_(
+            0, segment, self.selected_count)
         self.cold = torch.zeros(m, dtype=torch.long).scatter_reduce_(0, segment, self.cold, "amin",
                                                                       include_self=False)
         self.bounds = self.bounds[leaf_bounds]
@@ -298,6 +301,34 @@ class ChunkTree:
         new = [RecordRef(h, a, b) for h, a, b in zip(handles, cuts, cuts[1:])]
         self._records[i: i + len(rewrite.old)] = new
 
+    # -- persistence ------------------------------------------------------------------
+    def state(self) -> dict[str, torch.Tensor]:
+        """Leaves, statistics and record ranges as named tensors (handles are not included)."""
+        records = torch.tensor([r.start for r in self._records] + [self.n], dtype=torch.long)
+        return {"bounds": self.bounds, "kmin": self.kmin, "kmax": self.kmax, "ema": self.ema,
+                "selected_count": self.selected_count, "cold": self.cold, "records": records}
+
+    def load_state(self, state: dict[str, torch.Tensor], handle_of) -> None:
+        """Take back ``state()``; ``handle_of(start, end)`` names each record. Checked."""
+        bounds, records = state["bounds"].long(), state["records"].long()
+        m = bounds.numel() - 1
+        arrays = {k: state[k] for k in ("kmin", "kmax", "ema", "selected_count", "cold")}
+        if m < 0 or any(t.shape[0] != m for t in arrays.values()) or \
+                state["kmin"].shape[1:] != (self.kv_heads, self.head_dim):
+            raise ValueError("tree state: arrays disagree in shape")
+        if int(bounds[0]) != 0 or int(records[0]) != 0 or int(records[-1]) != int(bounds[-1]) \
+                or bool((bounds.diff() <= 0).any()) or bool((records.diff() <= 0).any()):
+            raise ValueError("tree state: leaves or records do not tile [0, n)")
+        self.bounds = bounds.clone()
+        self.kmin, self.kmax = state["kmin"].float().clone(), state["kmax"].float().clone()
+        self.ema = state["ema"].float().clone()
+        self.selected_count = state["selected_count"].long().clone()
+        self.cold = state["cold"].long().clone()
+        cuts = records.tolist()
+        self._records = [RecordRef(handle_of(a, b), a, b) for a, b in zip(cuts, cuts[1:])]
+        self._levels = None
+        self.validate()
+
     # -- hierarchy --------------------------------------------------------------------
     @property
     def levels(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -309,7 +340,8 @@ class ChunkTree:
             levels = [(self.kmin, self.kmax)]
             while levels[-1][0].shape[0] > FANOUT:
                 lo, hi = levels[-1]
-                cuts = torch.cat([torch.arange(0, lo.shape[0], FANOUT), torch.tensor([lo.shape[0]])])
+                m = lo.shape[0]
+                cuts = torch.cat([torch.arange(0, m, FANOUT), torch.tensor([m])])
                 levels.append(segment_minmax(lo, hi, cuts))
             self._levels = levels
         return self._levels

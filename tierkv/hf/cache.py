@@ -15,18 +15,19 @@ last layer of a group has done so, the group's chunks are sealed into the store 
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import torch
 from transformers import AttentionInterface, Cache
 from transformers.cache_utils import CacheLayerMixin
 
 from ..config import ChunkConfig, SelectConfig, TierConfig
+from ..pipeline import FetchPlan, Metrics, Pipeline
 from ..policies import Policy, make_policy
 from ..shapes import KVShape
 from ..storage.base import KVBlock
 from ..storage.store import KVStore
-from .attention import decode_attention
-from .groups import GroupIndex
+from .groups import Fetch, GroupIndex
 from .prefill import prefill_attention
 from .profile import load_profile
 
@@ -88,16 +89,20 @@ class TieredCache(Cache):
         self.groups = self.policy.groups()
         self.group_of = {layer: g for g, group in enumerate(self.groups) for layer in group}
         self.slot_of = {layer: i for group in self.groups for i, layer in enumerate(group)}
-        self.indexes = [GroupIndex(self.doc, g, self.shape.kv_heads, self.shape.head_dim)
+        self.indexes = [GroupIndex(self.doc, g, self.shape.kv_heads, self.shape.head_dim, self.chunks)
                         for g in range(len(self.groups))]
         self.store = KVStore(self.shape, config)
         self.device = self.store.device.device
+        self.metrics = Metrics()
+        self.pipeline = Pipeline(self.store, self.device, threads=min(config.io_threads, 4),
+                                 metrics=self.metrics, groups=len(self.groups))
         empty = torch.zeros(self.shape.kv_heads, 0, self.shape.head_dim, dtype=self.shape.dtype)
         layers = range(self.shape.layers)
         self._window = [(empty.to(self.device), empty.to(self.device)) for _ in layers]
         self._pending: list[list[KVBlock]] = [[] for _ in layers]
         self._fresh = [False] * self.shape.layers
         self._step: dict = {}
+        self.token_ids = torch.zeros(1, 0, dtype=torch.long)
         self._model = model
         self._install(model)
 
@@ -110,7 +115,7 @@ class TieredCache(Cache):
         k = torch.cat([k, key_states[0].to(self.device, k.dtype)], dim=1)
         v = torch.cat([v, value_states[0].to(self.device, v.dtype)], dim=1)
         self._window[layer] = (k, v)
-        self.store.device.reserve(f"window:{layer}", k.nbytes + v.nbytes)
+        self.reserve(f"window:{layer}", k.nbytes + v.nbytes)
         self._fresh[layer] = True
         return key_states, value_states
 
@@ -134,18 +139,26 @@ class TieredCache(Cache):
         q = query[0]
         scaling = module.scaling if scaling is None else scaling
         if q.shape[1] > 1 or self.layer_length(layer) == q.shape[1]:
+            if layer == 0 and self.policy.adaptive:
+                self.compact()
             out = prefill_attention(self, layer, q, scaling)
         else:
             out = self._decode(layer, q, scaling)
-        self._after_attention(layer)
+        self._after_attention(layer, decoding=q.shape[1] == 1)
         return out.transpose(0, 1).unsqueeze(0), None
 
     # -- decode -------------------------------------------------------------------------
+    def reserve(self, tag: str, nbytes: int) -> None:
+        """Account ``nbytes`` of device memory under ``tag``, evicting cached chunks if needed."""
+        device = self.store.device
+        if device.budget is not None and device.used - device._reserved.get(tag, 0) + nbytes > device.budget:
+            self.pipeline.cache.make_room(nbytes - device._reserved.get(tag, 0))
+        device.reserve(tag, nbytes)
+
     def _decode(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         if layer == 0:
             self._new_step()
-        chunks = self.policy.fetch(self, layer, q)
-        block, positions = self.fetched(layer, chunks)
+        block, positions = self.fetched(layer, self.policy.fetch(self, layer, q))
         wk, wv = self._window[layer]
         slot = self.slot_of[layer]
         k = torch.cat([block.keys[slot], wk], dim=1)
@@ -155,42 +168,56 @@ class TieredCache(Cache):
         return self.policy.attend(self, layer, q, k, v, positions, scaling)
 
     def _new_step(self) -> None:
+        prefetched = {k: v for k, v in self._step.items() if k[0] == "prefetch"}
         for kind, group in self._step:
             if kind == "fetch":
                 self.store.device.reserve(f"fetch:{group}", 0)
-        self._step = {}
+        self._step = prefetched
+        self.metrics.step_begin()
 
-    def fetched(self, layer: int, chunks: torch.Tensor | None):
-        """The group's chunks (all when None) on the device, once per step: (KVBlock, positions)."""
+    def fetched(self, layer: int, wanted: Fetch | torch.Tensor | None):
+        """The records of ``layer``'s group that ``wanted`` names (a Fetch, leaf indices, or None
+        for all) on the device, once per step per group: (KVBlock, positions)."""
         g = self.group_of[layer]
-        tag = ("fetch", g, None if chunks is None else tuple(chunks.tolist()))
+        spec = wanted if isinstance(wanted, Fetch) else self.indexes[g].fetch(wanted)
         hit = self._step.get(("fetch", g))
-        if hit is not None and hit[0] == tag:
-            return hit[1], hit[2]
-        index = self.indexes[g]
-        keys = index.records(chunks)
-        block = self._gather(keys, len(self.groups[g]))
-        self.store.device.reserve(f"fetch:{g}", block.nbytes)
-        result = (block, index.positions(chunks))
-        self._step[("fetch", g)] = (tag, *result)
-        return result
-
-    def _gather(self, keys, n_layers: int) -> KVBlock:
-        if not keys:
-            empty = torch.zeros(n_layers, self.shape.kv_heads, 0, self.shape.head_dim,
+        if hit is not None and hit[0] == spec.keys:
+            return hit[1], spec.positions
+        if not spec.keys:
+            empty = torch.zeros(len(self.groups[g]), self.shape.kv_heads, 0, self.shape.head_dim,
                                 dtype=self.shape.dtype, device=self.device)
-            return KVBlock(empty, empty)
-        blocks = self.store.fetch(keys, self.device)
-        if len(blocks) == 1:
-            return blocks[0]
-        return KVBlock(torch.cat([b.keys for b in blocks], dim=2), torch.cat([b.values for b in blocks], dim=2))
+            return KVBlock(empty, empty), spec.positions
+        pending = self._step.pop(("prefetch", g), None)
+        if pending is None or pending[0] != spec.keys:
+            self.prefetch(g, spec)
+            pending = self._step.pop(("prefetch", g))
+        block = pending[1].wait(g)
+        self.store.device.reserve(f"prefetch:{g}", 0)
+        self.reserve(f"fetch:{g}", block.nbytes)
+        self._step[("fetch", g)] = (spec.keys, block)
+        return block, spec.positions
 
-    def selection(self, group: int) -> torch.Tensor | None:
-        """The chunks chosen for ``group`` this step (by a filter layer), or None (all)."""
+    def prefetch(self, group: int, spec: Fetch) -> None:
+        """Start bringing ``spec``'s records of ``group`` to the device (pipelined, in flight
+        while earlier layers compute); its bytes count against the device budget from now."""
+        if not spec.keys or self._step.get(("prefetch", group), (None,))[0] == spec.keys:
+            return
+        self.reserve(f"prefetch:{group}", len(spec.positions) * self.shape.token_bytes(len(self.groups[group])))
+        handle = self.pipeline.submit(FetchPlan([(group, spec.keys)]))
+        self._step[("prefetch", group)] = (spec.keys, handle)
+
+    def selection(self, group: int) -> Fetch | None:
+        """What a filter layer chose for ``group`` this step, or None (all)."""
         return self._step.get(("select", group))
 
-    def set_selection(self, group: int, chunks: torch.Tensor) -> None:
-        self._step[("select", group)] = chunks
+    def set_selection(self, group: int, fetch: Fetch) -> None:
+        self._step[("select", group)] = fetch
+        self.prefetch(group, fetch)
+
+    def compact(self) -> int:
+        """Rewrite records to match merged/split chunks (idle work, never on the decode path);
+        returns the number of records written."""
+        return sum(index.rewrite(self.store) for index in self.indexes)
 
     def index_of(self, layer: int) -> GroupIndex:
         return self.indexes[self.group_of[layer]]
@@ -201,7 +228,15 @@ class TieredCache(Cache):
         return self.indexes[g].sealed * self.shape.token_bytes(len(self.groups[g]))
 
     # -- sealing ------------------------------------------------------------------------
-    def _after_attention(self, layer: int) -> None:
+    def _look_ahead(self, g: int) -> None:
+        """Prefetch group ``g`` when what it reads is known before its query (dense layers)."""
+        first = self.groups[g][0]
+        if self.policy.dense(self, first):
+            self.prefetch(g, self.indexes[g].fetch(None))
+        if g == 0:
+            self.metrics.step_end()
+
+    def _after_attention(self, layer: int, decoding: bool) -> None:
         """Move ``layer``'s sealable window tokens to host; seal the group after its last layer."""
         k, v = self._window[layer]
         step = self.policy.chunk_tokens
@@ -209,12 +244,14 @@ class TieredCache(Cache):
         if movable > 0:
             self._pending[layer].append(KVBlock(k[:, :movable].cpu(), v[:, :movable].cpu()))
             self._window[layer] = (k[:, movable:].clone(), v[:, movable:].clone())
-            self.store.device.reserve(f"window:{layer}", 2 * self._window[layer][0].nbytes)
+            self.reserve(f"window:{layer}", 2 * self._window[layer][0].nbytes)
         g = self.group_of[layer]
         if layer == self.groups[g][-1]:
             if self._step.pop(("fetch", g), None) is not None:
                 self.store.device.reserve(f"fetch:{g}", 0)
             self._seal(g)
+            if decoding:
+                self._look_ahead((g + 1) % len(self.groups))
 
     def _seal(self, g: int) -> None:
         layers = self.groups[g]
@@ -238,6 +275,31 @@ class TieredCache(Cache):
         AttentionInterface.register(self._attn_name, self._attention)
         self._previous_attn = model.config._attn_implementation
         model.set_attn_implementation(self._attn_name)
+        self._ids_hook = model.get_input_embeddings().register_forward_pre_hook(self._record_ids)
+
+    def _record_ids(self, module, args) -> None:
+        ids = args[0]
+        if ids.dim() == 2 and ids.shape[0] == 1:
+            self.token_ids = torch.cat([self.token_ids, ids.detach().cpu().long()], dim=1)
+
+    def save(self, path) -> Path:
+        """Store this document (records, indexes, windows, token ids) under directory ``path``,
+        to be reopened by ``TieredCache.open`` in this or another process."""
+        from .persist import save
+
+        return save(self, path)
+
+    @classmethod
+    def open(cls, model, path, config: TierConfig | None = None, policy: str | None = None,
+             doc: str | None = None) -> "TieredCache":
+        """Reopen a saved document for ``model`` (checked to be the model that saved it).
+
+        The next ``generate`` continues the saved sequence: pass ``cache.token_ids`` followed by
+        the new tokens as its input ids.
+        """
+        from .persist import open_cache
+
+        return open_cache(cls, model, path, config, policy, doc)
 
     def close(self) -> None:
         """Give the model back its own attention and release the tiers (idempotent)."""
@@ -245,7 +307,9 @@ class TieredCache(Cache):
             return
         self._model.set_attn_implementation(self._previous_attn)
         AttentionInterface._global_mapping.pop(self._attn_name, None)
+        self._ids_hook.remove()
         self._model = None
+        self.pipeline.close()
         self.store.close()
 
     def __enter__(self):
@@ -257,4 +321,5 @@ class TieredCache(Cache):
     def stats(self) -> dict:
         """Tokens, tier occupancy and the device tier's peak, as a dict."""
         return {"tokens": self.get_seq_length(), "policy": self.policy.name,
-                "device_peak_bytes": self.store.device.peak, **self.store.stats()}
+                "device_peak_bytes": self.store.device.peak, **self.store.stats(),
+                **{f"pipeline_{k}": v for k, v in self.metrics.summary().items()}}

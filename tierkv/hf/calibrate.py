@@ -115,7 +115,7 @@ def layer_similarity(model, tokenizer, n_tokens: int = 1024, seed: int = 0,
     _check_fraction("top_frac", top_frac, low_open=True)
     fact = passkey_fact(random.Random(seed))
     document = make_document(tokenizer, n_tokens, seed, [fact])
-    prompt = chat_prompt(tokenizer, document, fact.question, fact.answer_prefix)
+    prompt = chat_prompt(tokenizer, document, fact.question, fact.answer_prefix, fact.hint)
     ids = torch.tensor(tokenizer(prompt)["input_ids"])
     select = SelectConfig()
     if len(ids) <= select.sinks + select.window + _QUERIES:

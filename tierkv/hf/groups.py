@@ -1,101 +1,137 @@
-"""Per layer group bookkeeping of the cache: sealed chunks, their records and key summaries.
+"""Per layer group bookkeeping of the cache: the chunk tree over sealed tokens and its records.
 
-A group's sealed tokens ``[0, sealed)`` are cut into chunks; each chunk is one stored record
-and carries the min/max summary of its keys (of the group's scoring layer). Selection works on
-chunk indices; fetching turns chunk indices into record keys and token positions.
+A group's sealed tokens ``[0, sealed)`` are the leaves of a ``ChunkTree`` (adaptive for the
+``leoam``/``tierkv`` policies, fixed otherwise); each sealed chunk is first one stored record.
+Selection works on leaf indices and is turned into a ``Fetch`` (record keys + token positions)
+before the tree adapts, so merges and splits never disturb a step's fetch. Record rewrites that
+make records match merged/split leaves run only when the cache is idle (``rewrite``).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from ..storage.base import RecordKey
+from ..config import ChunkConfig
+from ..storage.base import KVBlock, RecordKey
+from ..summary import chunk_scores, summarize_segments
+from ..tree import ChunkTree
+
+
+class Fetch(NamedTuple):
+    """What a step brings up for a group: records (in token order) and the positions they hold."""
+
+    keys: tuple[RecordKey, ...]
+    positions: torch.Tensor
 
 
 class GroupIndex:
-    """Chunks of one layer group, as a structure of arrays.
+    """The chunk tree of one layer group, with the record keys of its payloads."""
 
-    starts, ends : LongTensor, shape (m,) -- token range of each chunk.
-    kmin, kmax : Tensor, shape (m, kv_heads, head_dim) -- key summaries (fp32).
-    """
-
-    def __init__(self, doc: str, group: int, kv_heads: int, head_dim: int):
+    def __init__(self, doc: str, group: int, kv_heads: int, head_dim: int, chunks: ChunkConfig):
         self.doc, self.group = doc, group
-        self.keys: list[RecordKey] = []
-        self.starts = torch.zeros(0, dtype=torch.long)
-        self.ends = torch.zeros(0, dtype=torch.long)
-        self.kmin = torch.zeros(0, kv_heads, head_dim)
-        self.kmax = torch.zeros(0, kv_heads, head_dim)
-        self._positions: torch.Tensor | None = None
+        self.tree = ChunkTree(chunks, kv_heads, head_dim)
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return self.tree.num_leaves
 
     @property
     def sealed(self) -> int:
-        return int(self.ends[-1]) if len(self.keys) else 0
+        return self.tree.n
+
+    @property
+    def starts(self) -> torch.Tensor:
+        return self.tree.bounds[:-1]
+
+    @property
+    def keys(self) -> list[RecordKey]:
+        return [r.handle for r in self.tree.records]
 
     def add(self, bounds: list[tuple[int, int]], keys: torch.Tensor) -> list[RecordKey]:
-        """Add chunks over ``bounds`` (contiguous, after ``sealed``) of the scoring layer's keys.
+        """Add chunks over ``bounds`` (contiguous, from ``sealed``) of the scoring layer's keys.
 
         keys : Tensor, shape (kv_heads, tokens, head_dim) covering exactly the chunks, in order.
         Returns the record keys of the new chunks.
         """
+        start = bounds[0][0]
+        cuts = torch.tensor([s - start for s, _ in bounds] + [bounds[-1][1] - start])
+        kmin, kmax = summarize_segments(keys, cuts)
         new = [RecordKey(self.doc, self.group, s, e) for s, e in bounds]
-        lens = torch.tensor([e - s for s, e in bounds])
-        seg = torch.repeat_interleave(torch.arange(len(bounds)), lens)
-        k = keys.float().transpose(0, 1)  # (tokens, kv_heads, dim)
-        shape = (len(bounds),) + tuple(k.shape[1:])
-        kmin = torch.full(shape, float("inf")).index_reduce_(0, seg, k, "amin")
-        kmax = torch.full(shape, float("-inf")).index_reduce_(0, seg, k, "amax")
-        self.keys.extend(new)
-        self.starts = torch.cat([self.starts, torch.tensor([s for s, _ in bounds])])
-        self.ends = torch.cat([self.ends, torch.tensor([e for _, e in bounds])])
-        self.kmin = torch.cat([self.kmin, kmin])
-        self.kmax = torch.cat([self.kmax, kmax])
-        self._positions = None
+        for i, (key, (s, e)) in enumerate(zip(new, bounds)):
+            self.tree.append(s, e, kmin[i], kmax[i], key)
         return new
 
-    def records(self, chunks: torch.Tensor | None) -> list[RecordKey]:
-        """Record keys of ``chunks`` (LongTensor of chunk indices, ascending), or of all when None."""
-        if chunks is None:
-            return list(self.keys)
-        return [self.keys[i] for i in chunks.tolist()]
-
-    def positions(self, chunks: torch.Tensor | None) -> torch.Tensor:
-        """Token positions covered by ``chunks`` in record order, LongTensor (tokens,)."""
-        if chunks is None:
-            if self._positions is None:
-                self._positions = torch.arange(self.sealed)
-            return self._positions
-        starts, ends = self.starts[chunks], self.ends[chunks]
-        lens = ends - starts
+    def fetch(self, leaves: torch.Tensor | None) -> Fetch:
+        """The records holding ``leaves`` (all when None) and the token positions they cover."""
+        records = self.tree.records if leaves is None else self.tree.records_for(leaves)
+        if not records:
+            return Fetch((), torch.zeros(0, dtype=torch.long))
+        starts = torch.tensor([r.start for r in records])
+        lens = torch.tensor([r.end - r.start for r in records])
         offsets = torch.repeat_interleave(starts - torch.cumsum(lens, 0) + lens, lens)
-        return torch.arange(int(lens.sum())) + offsets
+        return Fetch(tuple(r.handle for r in records), torch.arange(int(lens.sum())) + offsets)
 
     def bound_scores(self, q: torch.Tensor) -> torch.Tensor:
-        """Upper bound of ``q . k`` over each chunk (LKA), max over query heads: (m,).
+        """Upper bound of ``q . k`` over each leaf (LKA), max over query heads: (m,).
 
         q : Tensor, shape (q_heads, head_dim).
         """
-        m, kv_heads, dim = self.kmin.shape
-        qg = q.float().reshape(kv_heads, -1, dim)  # (kv, g, d)
-        lo = torch.einsum("hgd,mhd->mhgd", qg, self.kmin)
-        hi = torch.einsum("hgd,mhd->mhgd", qg, self.kmax)
-        return torch.maximum(lo, hi).sum(-1).amax(dim=(1, 2))
+        return chunk_scores(q, self.tree.kmin, self.tree.kmax)[1]
 
     def chunk_mass(self, token_scores: torch.Tensor) -> torch.Tensor:
-        """Sum of ``token_scores`` (sealed tokens, shape (sealed,)) over each chunk: (m,)."""
-        csum = torch.cat([token_scores.new_zeros(1), torch.cumsum(token_scores, 0)])
-        return csum[self.ends] - csum[self.starts]
+        """Sum of ``token_scores`` (shape (>= sealed,)) over each leaf: (m,)."""
+        return self.tree.mass_per_leaf(token_scores)
 
     def top_chunks(self, scores: torch.Tensor, budget_tokens: int, sinks: int) -> torch.Tensor:
-        """Chunks to fetch: those holding the first ``sinks`` tokens, then the best by ``scores``
-        while they fit in ``budget_tokens``; ascending LongTensor of chunk indices."""
-        if not len(self.keys):
+        """Leaves to fetch: those holding the first ``sinks`` tokens, then the best by ``scores``
+        while they fit in ``budget_tokens``; ascending LongTensor of leaf indices."""
+        if not len(self):
             return torch.zeros(0, dtype=torch.long)
-        lens = self.ends - self.starts
+        lens = self.tree.sizes
         forced = self.starts < sinks
         order = torch.argsort(scores.masked_fill(forced, float("inf")), descending=True)
         fits = torch.cumsum(lens[order], 0) <= max(budget_tokens, int(lens[forced].sum()))
-        chosen = order[fits | forced[order]]
-        return torch.sort(chosen).values
+        return torch.sort(order[fits | forced[order]]).values
+
+    def adapt(self, token_scores: torch.Tensor, chosen: torch.Tensor, sinks: int, keys_of) -> None:
+        """Fold one step's exact scores into the tree: cold runs merge, concentrated leaves split.
+
+        token_scores : Tensor, shape (>= sealed,), attention mass per token (0 where unknown).
+        chosen : LongTensor of the leaves fetched this step.
+        keys_of : ``(start, end) -> Tensor (kv_heads, end - start, head_dim) | None``, the keys
+            of a leaf when they are at hand (a split is skipped otherwise).
+        """
+        scores = token_scores[: self.sealed].clone()
+        scores[:sinks] = 0
+        selected = torch.zeros(len(self), dtype=torch.bool)
+        selected[chosen] = True
+        changes = self.tree.update(self.tree.mass_per_leaf(scores), selected, scores)
+        for request in changes.splits:
+            keys = keys_of(request.start, request.end)
+            if keys is not None:
+                self.tree.split(request, keys)
+
+    def rewrite(self, store) -> int:
+        """Rewrite records to match the leaves (after merges/splits); returns records written."""
+        written = 0
+        for rewrite in self.tree.pending_rewrites():
+            old = [r.handle for r in rewrite.old]
+            blocks = store.fetch(old, "cpu")
+            keys = torch.cat([b.keys for b in blocks], dim=2)
+            values = torch.cat([b.values for b in blocks], dim=2)
+            base, new = rewrite.cuts[0], []
+            for a, b in zip(rewrite.cuts, rewrite.cuts[1:]):
+                key = RecordKey(self.doc, self.group, a, b)
+                store.put(key, KVBlock(keys[:, :, a - base:b - base].clone(), values[:, :, a - base:b - base].clone()))
+                new.append(key)
+            self.tree.commit_rewrite(rewrite, new)
+            for key in set(old) - set(new):
+                store.remove(key)
+            written += len(new)
+        return written
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.tree.state()
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.tree.load_state(state, lambda a, b: RecordKey(self.doc, self.group, a, b))

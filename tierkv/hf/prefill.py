@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import causal_attention
+from ..attention import causal_attention
 
 FETCH_BATCH_BYTES = 8 << 20
 
@@ -42,7 +42,7 @@ def sealed_layer_kv(cache, layer: int):
     layer's KV plus one batch is resident.
     """
     index, slot = cache.index_of(layer), cache.slot_of[layer]
-    keys = index.records(None)
+    keys = list(index.fetch(None).keys)
     per_record = max(1, cache.shape.token_bytes(len(cache.groups[cache.group_of[layer]])) * cache.policy.chunk_tokens)
     step = max(1, FETCH_BATCH_BYTES // per_record)
     parts_k, parts_v = [], []

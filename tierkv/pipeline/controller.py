@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping
 
 from tierkv.config import CODECS, LOSSY_CODECS, CodecConfig
@@ -44,13 +45,17 @@ class CompressionController:
     decode_bw : codec -> raw bytes/s decoded, if known.
     ratio : codec -> stored bytes / raw bytes, if known.
     copy_bw : bytes/s host -> device (the same for every codec; it only shifts the estimate).
-    pipelined : read and decode overlap (a Pipeline with 2+ threads): cost = max, not sum.
+    pipelined : read and decode overlap (a Pipeline with 2+ threads and cores to spare):
+        cost = max, not sum. On a few busy cores the stages compete and the sum is closer.
+    margin : a candidate replaces an earlier one (earlier = cheaper to decode, less lossy:
+        raw, zstd, int8, int4) only when expected faster by more than this fraction, so that
+        measurement noise does not flip choices that gain nothing.
     """
 
     def __init__(self, candidates: tuple[str, ...] = ("raw", "zstd"), *, alpha: float = 0.3,
                  disk_bw: float | None = None, decode_bw: Mapping[str, float] | None = None,
                  ratio: Mapping[str, float] | None = None, copy_bw: float | None = None,
-                 pipelined: bool = False):
+                 pipelined: bool = False, margin: float = 0.1):
         candidates = tuple(candidates)
         if not candidates or any(c not in CODECS for c in candidates):
             raise ValueError(f"candidates={candidates!r}: must be a non-empty subset of "
@@ -59,6 +64,9 @@ class CompressionController:
             raise ValueError(f"alpha={alpha!r}: must be in (0, 1]")
         self.candidates = candidates
         self.pipelined = bool(pipelined)
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+            raise ValueError(f"margin={margin!r}: must be in [0, 1)")
+        self.margin = float(margin)
         self._lock = threading.Lock()
         self._disk = _Ema(alpha, _positive("disk_bw", disk_bw))
         self._copy = _Ema(alpha, _positive("copy_bw", copy_bw))
@@ -105,13 +113,20 @@ class CompressionController:
                 best = min(best, time.perf_counter() - start)
             self.observe_decode(name, sample.nbytes, len(payload), best)
 
-    def calibrate_disk(self, disk, batches) -> None:
-        """Seed the disk bandwidth by reading ``batches`` (lists of RecordKey) from ``disk``
-        (anything with ``read_raw_many``) one batch at a time, nothing else running."""
-        for keys in batches:
-            start = time.perf_counter()
-            raws = disk.read_raw_many(keys)
-            self.observe_read(sum(len(raw.payload) for raw in raws), time.perf_counter() - start)
+    def calibrate_disk(self, disk, batches, threads: int = 2) -> None:
+        """Set the disk bandwidth to what reading ``batches`` (lists of RecordKey) from ``disk``
+        (anything with ``read_raw_many``) gives in total, ``threads`` batches in flight as in
+        a Pipeline of that many threads; later measurements move it as usual."""
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads, thread_name_prefix="tierkv-calibrate") as pool:
+            sizes = pool.map(lambda keys: sum(len(r.payload) for r in disk.read_raw_many(keys)),
+                             batches)
+            nbytes = sum(sizes)
+        seconds = time.perf_counter() - start
+        if nbytes == 0 or seconds <= 0:
+            raise ValueError("calibrate_disk: the batches read no bytes")
+        with self._lock:
+            self._disk.value = nbytes / seconds
 
     # -- decisions ----------------------------------------------------------------------
     def expected_time(self, codec: str, nbytes_raw: int) -> float | None:
@@ -129,15 +144,22 @@ class CompressionController:
         """The allowed codec with the least expected fetch time of ``nbytes_raw`` bytes.
 
         Lossy candidates are allowed only when ``cold``. Until a codec's rates are known it is
-        skipped; with none known, the first allowed candidate is returned.
+        skipped; with none known, the first allowed candidate is returned. A later candidate
+        wins only by more than ``margin``.
         """
         if isinstance(nbytes_raw, bool) or not isinstance(nbytes_raw, int) or nbytes_raw <= 0:
             raise ValueError(f"nbytes_raw={nbytes_raw!r}: must be a positive integer")
         allowed = [c for c in self.candidates if cold or c not in LOSSY_CODECS]
         allowed = allowed or list(self.candidates)  # a lossy codec fixed by the config
         times = {c: self.expected_time(c, nbytes_raw) for c in allowed}
-        known = {c: t for c, t in times.items() if t is not None}
-        return min(known, key=known.get) if known else allowed[0]
+        known = [(c, t) for c, t in times.items() if t is not None]
+        if not known:
+            return allowed[0]
+        best, best_time = known[0]
+        for codec, seconds in known[1:]:
+            if seconds < best_time * (1 - self.margin):
+                best, best_time = codec, seconds
+        return best
 
     def state(self) -> dict:
         """The current estimates (bytes/s and ratios), for reports."""

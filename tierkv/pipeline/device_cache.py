@@ -3,7 +3,7 @@
 The blocks live in the store's device tier itself, so its budget bounds them, ``store.where``
 reports them as "device", and a record the store rewrites or removes (``KVStore.put`` drops the
 device copy) is never served stale. The cache adds what the tier lacks: which of its records it
-may evict, ranked by importance, then age.
+may evict, ranked by priority, importance, then age.
 """
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ from tierkv.storage.base import KVBlock, RecordKey, StorageError, Tier
 class DeviceCache:
     """Admission and eviction of fetched records in a device ``Tier`` (``store.device``).
 
-    A new record may only displace records the cache admitted that are less important, or as
-    important and older (least recently used first). When that cannot make room it is not
-    admitted and nothing is evicted. Records others put in the tier are never evicted.
+    Records rank by ``(priority, importance, last use)``. A new record may only displace records
+    the cache admitted that rank lower on priority and importance, or equal and older (least
+    recently used first). When that cannot make room it is not admitted and nothing is evicted.
+    Records others put in the tier are never evicted. The pipeline gives priority 1 to the first
+    group of a plan: its fetch has no compute to hide behind.
 
     Parameters
     ----------
@@ -29,7 +31,7 @@ class DeviceCache:
         if not isinstance(tier, Tier):
             raise ValueError(f"tier={tier!r}: expected a storage Tier (the store's device tier)")
         self.tier = tier
-        self._rank: dict[RecordKey, tuple[float, int]] = {}
+        self._rank: dict[RecordKey, tuple[int, float, int]] = {}
         self._clock = itertools.count()
         self._lock = threading.Lock()
         self.hits = 0
@@ -47,8 +49,10 @@ class DeviceCache:
     def __contains__(self, key: RecordKey) -> bool:
         return key in self._rank and key in self.tier
 
-    def get(self, key: RecordKey, importance: float | None = None) -> KVBlock | None:
-        """The cached block (a hit refreshes its age and, when given, its importance) or None."""
+    def get(self, key: RecordKey, importance: float | None = None,
+            priority: int | None = None) -> KVBlock | None:
+        """The cached block (a hit refreshes its age and what is given of its importance and
+        priority) or None."""
         with self._lock:
             if key not in self._rank:
                 self.misses += 1
@@ -60,16 +64,18 @@ class DeviceCache:
                 self.misses += 1
                 return None
             self.hits += 1
-            old = self._rank[key][0]
-            self._rank[key] = (old if importance is None else importance, next(self._clock))
+            old_priority, old_importance, _ = self._rank[key]
+            self._rank[key] = (old_priority if priority is None else priority,
+                               old_importance if importance is None else importance,
+                               next(self._clock))
             return block
 
-    def admit(self, key: RecordKey, block: KVBlock, importance: float) -> bool:
+    def admit(self, key: RecordKey, block: KVBlock, importance: float, priority: int = 0) -> bool:
         """Copy ``block`` into the tier if room can be made; return whether it is cached."""
         with self._lock:
             if key in self._rank and key in self.tier:
                 return True
-            victims = self._victims(block.nbytes, importance)
+            victims = self._victims(block.nbytes, (priority, importance))
             if victims is None:
                 return False
             for victim in victims:
@@ -78,8 +84,19 @@ class DeviceCache:
                 self.tier.put(key, block)
             except StorageError:  # TierFullError: the tier filled up meanwhile; a closed tier
                 return False
-            self._rank[key] = (importance, next(self._clock))
+            self._rank[key] = (priority, importance, next(self._clock))
             return True
+
+    def make_room(self, nbytes: int) -> None:
+        """Evict the lowest-ranked cached records until ``nbytes`` are free in the tier (or the
+        cache is empty): the decode working set always comes before cached chunks."""
+        with self._lock:
+            if self.tier.budget is None:
+                return
+            for key, _ in sorted(self._rank.items(), key=lambda item: item[1]):
+                if self.tier.budget - self.tier.used >= nbytes:
+                    break
+                self._evict(key)
 
     def clear(self) -> None:
         """Evict every record the cache admitted."""
@@ -87,17 +104,17 @@ class DeviceCache:
             for key in list(self._rank):
                 self._evict(key)
 
-    def _victims(self, need: int, importance: float) -> list[RecordKey] | None:
+    def _victims(self, need: int, rank: tuple[int, float]) -> list[RecordKey] | None:
         """Lowest-ranked cache records to evict so ``need`` bytes fit, all ranked below the
         newcomer; None when impossible."""
         if self.tier.budget is None:
             return []
         room = self.tier.budget - self.tier.used
         victims = []
-        for key, rank in sorted(self._rank.items(), key=lambda item: item[1]):
+        for key, entry in sorted(self._rank.items(), key=lambda item: item[1]):
             if room >= need:
                 break
-            if rank[0] > importance or key not in self.tier:
+            if entry[:2] > rank or key not in self.tier:
                 continue
             victims.append(key)
             room += self.tier.size_of(key)

@@ -52,7 +52,10 @@ class GroupFetcher:
             copy_start = time.perf_counter()
             delivery = self.transfer.assemble(
                 parts, ready, lambda block: self._admit(group, parts, on_disk, block))
-            self.metrics.record_stage("copy", time.perf_counter() - copy_start)
+            copy_s = time.perf_counter() - copy_start
+            self.metrics.record_stage("copy", copy_s)
+            if self.controller is not None:
+                self.controller.observe_copy(delivery.block.nbytes, copy_s)
             return delivery
         finally:
             self.metrics.record_fetch(time.perf_counter() - start)
@@ -62,7 +65,7 @@ class GroupFetcher:
         parts: list[KVBlock | None] = []
         on_disk: list[int] = []
         for i, (key, importance) in enumerate(zip(group.keys, group.importance)):
-            block, source = self._lookup(group.group, key, importance)
+            block, source = self._lookup(group, key, importance)
             if block is None:
                 on_disk.append(i)
             else:
@@ -70,10 +73,11 @@ class GroupFetcher:
             parts.append(block)
         return parts, on_disk
 
-    def _lookup(self, group: int, key: RecordKey, importance: float):
-        block = self.cache.get(key, importance)
+    def _lookup(self, fetch: GroupFetch, key: RecordKey, importance: float):
+        block = self.cache.get(key, importance, _priority(fetch))
         if block is not None:
             return block, "cache"
+        group = fetch.group
         for _ in range(2):  # a record may move between where() and get(): look once more
             where = self.store.where(key)
             if where is None:
@@ -152,7 +156,13 @@ class GroupFetcher:
         for i in fetched:
             key, importance = group.keys[i], group.importance[i]
             a, b = offsets[i], offsets[i] + key.tokens
-            self.cache.admit(key, KVBlock(out.keys[:, :, a:b], out.values[:, :, a:b]), importance)
+            view = KVBlock(out.keys[:, :, a:b], out.values[:, :, a:b])
+            self.cache.admit(key, view, importance, _priority(group))
+
+
+def _priority(group: GroupFetch) -> int:
+    """Cache priority: the first group of a plan is fetched with no compute to hide behind."""
+    return 1 if group.position == 0 else 0
 
 
 def codec_name(codec) -> str:

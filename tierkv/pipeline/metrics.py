@@ -145,4 +145,4 @@ def _ratio(part: float, whole: float) -> float:
 
 
 def _overlap(stall: float, fetch: float) -> float:
-    return round(min(1.0, max(0.0, 1.0 - stall / fetch)), 6) if fetch > 0 else 1.0
+    return round(min(1.0, max(0.0, 1.0 - stall / fetch)), 6) if fetch > 0 else 0.0

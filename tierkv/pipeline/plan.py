@@ -12,11 +12,13 @@ class GroupFetch:
     """The records of one layer group, in the order their tokens are concatenated.
 
     ``importance`` holds one value per key (higher = hotter); it drives the device cache.
+    ``position`` is the group's index in its plan (0: fetched first, with nothing to overlap).
     """
 
     group: int
     keys: tuple[RecordKey, ...]
     importance: tuple[float, ...]
+    position: int
 
 
 class FetchPlan:
@@ -49,7 +51,7 @@ class FetchPlan:
             seen.add(group)
             unique = _dedupe(group, keys)
             weights = tuple(float(importance.get(k, default_importance)) for k in unique)
-            self._groups.append(GroupFetch(group, unique, weights))
+            self._groups.append(GroupFetch(group, unique, weights, len(self._groups)))
 
     @property
     def groups(self) -> tuple[GroupFetch, ...]:

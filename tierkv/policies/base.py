@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 
 from ..config import ChunkConfig, SelectConfig
-from ..hf.attention import decode_attention
+from ..attention import decode_attention
 
 REGISTRY: dict[str, type["Policy"]] = {}
 
@@ -33,6 +33,15 @@ def make_policy(name: str, layers: int, select: SelectConfig, chunks: ChunkConfi
     if name not in REGISTRY:
         raise ValueError(f"policy={name!r}: must be one of {', '.join(sorted(REGISTRY))}")
     return REGISTRY[name](layers, select, chunks, profile or {})
+
+
+def keys_lookup(k: torch.Tensor, positions: torch.Tensor):
+    """``(start, end) -> keys of tokens [start, end)`` from ``k`` (kv_heads, n, head_dim) whose
+    token positions are ``positions`` (n,), or None when some of them were not fetched."""
+    def keys_of(start: int, end: int):
+        mask = (positions >= start) & (positions < end)
+        return k[:, mask] if int(mask.sum()) == end - start else None
+    return keys_of
 
 
 class Policy:
@@ -56,6 +65,10 @@ class Policy:
 
     def fetch(self, cache, layer: int, q: torch.Tensor) -> torch.Tensor | None:
         return None
+
+    def dense(self, cache, layer: int) -> bool:
+        """Whether ``layer`` reads all of its KV whatever its query (so it can be prefetched)."""
+        return True
 
     def attend(self, cache, layer, q, k, v, positions, scaling) -> torch.Tensor:
         return decode_attention(q, k, v, scaling)

@@ -5,7 +5,7 @@ storage, the policy just never attends to them again.
 """
 import torch
 
-from ..hf.attention import scored_decode_attention
+from ..attention import scored_decode_attention
 from .base import Policy, register
 
 

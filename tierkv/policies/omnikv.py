@@ -7,8 +7,8 @@ group's fetch plan for the step (OmniKV), fetched as one packed load.
 """
 import torch
 
-from ..hf.attention import scored_decode_attention
-from .base import Policy, register
+from ..attention import scored_decode_attention
+from .base import Policy, keys_lookup, register
 
 # Proposed by `tierkv calibrate` for SmolLM2-135M (inter-layer attention similarity).
 DEFAULT_FILTERS = (2, 8, 16)
@@ -28,6 +28,7 @@ class OmniKV(Policy):
             raise ValueError(f"filter_layers={select.filter_layers}: none below the last layer {layers - 1}")
         self.filters = filters
         self._smoothed: dict[int, torch.Tensor] = {}
+        self._to_adapt: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def groups(self):
         first = self.filters[0]
@@ -51,18 +52,36 @@ class OmniKV(Policy):
     def fetch(self, cache, layer, q):
         if self.is_selecting(cache, layer):
             return cache.selection(cache.group_of[layer])
-        return self.prefetch_filter(cache, layer, q) if layer in self.filters else None
+        return self.preselect(cache, layer, q) if layer in self.filters else None
 
-    def prefetch_filter(self, cache, layer, q):
+    def dense(self, cache, layer):
+        return not self.is_selecting(cache, layer) and not (
+            layer in self.filters and self.preselects(cache, layer))
+
+    def preselects(self, cache, layer) -> bool:
+        """Whether filter ``layer`` narrows its own KV before scoring it (not in ``omnikv``)."""
+        return False
+
+    def preselect(self, cache, layer, q):
         """What a filter layer reads of its own KV: all of it (``omnikv``)."""
         return None
 
     def attend(self, cache, layer, q, k, v, positions, scaling):
         if layer not in self.filters:
+            self._adapt(cache, layer, k, positions)
             return super().attend(cache, layer, q, k, v, positions, scaling)
         out, probs = scored_decode_attention(q, k, v, scaling)
         self._choose(cache, layer, probs.sum(dim=(0, 1)), positions)
         return out
+
+    def _adapt(self, cache, layer, k, positions):
+        """In the first layer of a group (whose keys the tree summarises), fold the filter
+        layer's scores into the group's tree; its fetched keys serve the splits."""
+        g = cache.group_of[layer]
+        pending = self._to_adapt.pop(g, None)
+        if pending is not None and cache.groups[g][0] == layer:
+            scores, leaves = pending
+            cache.indexes[g].adapt(scores, leaves, self.select.sinks, keys_lookup(k, positions))
 
     def _choose(self, cache, layer, token_mass, positions):
         target = cache.group_of[layer + 1]
@@ -70,8 +89,11 @@ class OmniKV(Policy):
         scores = torch.zeros(cache.layer_length(layer))
         scores[positions] = token_mass
         scores = self._smooth(layer, scores)
-        mass = index.chunk_mass(scores[: index.sealed])
-        cache.set_selection(target, index.top_chunks(mass, self.budget(cache), self.select.sinks))
+        mass = index.chunk_mass(scores)
+        leaves = index.top_chunks(mass, self.budget(cache), self.select.sinks)
+        cache.set_selection(target, index.fetch(leaves))
+        if self.adaptive:
+            self._to_adapt[target] = (scores, leaves)
 
     def _smooth(self, layer, scores):
         """The selector: this step's scores, or an average over recent steps."""

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..hf.attention import scored_decode_attention
+from ..attention import scored_decode_attention
 from .base import Policy, register
 
 

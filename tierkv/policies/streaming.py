@@ -1,22 +1,30 @@
 """``streaming``: attention sinks + the recent window (StreamingLLM). Lossy."""
 import torch
 
-from ..hf.attention import scored_decode_attention
+from ..attention import scored_decode_attention
 from .base import Policy, register
 
 
 @register
 class Streaming(Policy):
-    """Keep the first ``sinks`` tokens and the last ``window`` tokens; drop the middle."""
+    """Keep the first ``sinks`` tokens and the most recent tokens, as many as the budget allows
+    (at least the ``window``); drop the middle."""
 
     name = "streaming"
     lossy = True
 
     def fetch(self, cache, layer, q):
         index = cache.index_of(layer)
-        return torch.nonzero(index.starts < self.select.sinks).flatten()
+        n = cache.layer_length(layer)
+        recent = max(self.select.window, self.select.tokens(n) - self.select.sinks)
+        ends = index.tree.bounds[1:]
+        return torch.nonzero((index.starts < self.select.sinks) | (ends > n - recent)).flatten()
+
+    def dense(self, cache, layer):
+        return False
 
     def attend(self, cache, layer, q, k, v, positions, scaling):
         n = cache.layer_length(layer)
-        allowed = (positions < self.select.sinks) | (positions >= n - self.select.window)
+        recent = max(self.select.window, self.select.tokens(n) - self.select.sinks)
+        allowed = (positions < self.select.sinks) | (positions >= n - recent)
         return scored_decode_attention(q, k, v, scaling, allowed.view(1, 1, 1, -1))[0]

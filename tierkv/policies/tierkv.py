@@ -16,10 +16,13 @@ class TierKV(OmniKV):
     name = "tierkv"
     adaptive = True
 
-    def prefetch_filter(self, cache, layer, q):
-        index = cache.index_of(layer)
-        free = cache.store.device.free
-        if free is None or cache.group_bytes(layer) <= free // 2:
+    def preselects(self, cache, layer):
+        budget = cache.store.device.budget
+        return budget is not None and cache.group_bytes(layer) > budget // 4
+
+    def preselect(self, cache, layer, q):
+        if not self.preselects(cache, layer):
             return None
+        index = cache.index_of(layer)
         budget = PRESELECT_FACTOR * self.budget(cache)
         return index.top_chunks(index.bound_scores(q[:, 0]), budget, self.select.sinks)

@@ -204,7 +204,7 @@ class DiskTier(Tier):
             codec = codec_by_id(raw.codec, self.codec_config)
         except ValueError as exc:
             raise CorruptRecordError(f"record {raw.key}: {exc}") from None
-        return decode_block(codec, raw.payload, raw.dtype, raw.shape)
+        return decode_block(codec, raw.payload, raw.dtype, raw.shape, verified=True)
 
     def read_raw_many(self, keys) -> list[RawRecord]:
         """Read and crc-check the records of ``keys`` with the I/O threads, in key order.

@@ -1,0 +1,196 @@
+"""Decode quality of every policy against full attention, at 5 %, 10 % and 25 % token budgets.
+
+* ``top1_agreement``: a seeded generated document is cut into a context (2K tokens with
+  --quick; 2K, 4K and 8K without) and its continuation (32 / 64 tokens). One plain forward
+  (DynamicCache) over context + continuation gives the reference argmax at every continuation
+  position. Each policy prefills the context through a ``TieredCache`` and is fed the
+  continuation one token at a time (teacher forcing); agreement is the share of steps whose
+  argmax equals the reference, pooled over the contexts.
+* ``passkey_acc``: ~1K-token documents with a planted pass key (3 / 10 seeded cases), greedy
+  7 new tokens; correct when the key is in the output.
+* ``ms_per_token``: mean wall time of one teacher-forced decode step.
+
+``full`` does not depend on the budget: it runs once and is reported at each budget.
+A policy that raises is recorded as ``{"error": ...}`` and the bench goes on.
+
+    python -m bench.quality [--quick]   ->  bench/results/quality.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+from transformers import DynamicCache
+
+from bench.common import write_result
+from tierkv import SelectConfig, TierConfig, TieredCache, load_model
+from tierkv.shapes import KVShape
+from tierkv.textgen import chat_prompt, make_document, passkey_fact
+
+# headline and lossless-by-design policies first, so that a cut-short run keeps the figures that matter most
+POLICIES = ("full", "tierkv", "omnikv", "quest", "leoam", "h2o", "streaming", "razor")
+BUDGET_FREE = ("full",)
+BUDGETS = (0.05, 0.1, 0.25)
+PASSKEY_TOKENS = 1000
+PASSKEY_NEW = 7
+MIN_DEVICE = 8 * 2**20
+
+
+def top1_agreement(pred: torch.Tensor, ref: torch.Tensor) -> float:
+    """Share of positions where two argmax sequences, shape (n,), agree."""
+    if pred.shape != ref.shape or pred.numel() == 0:
+        raise ValueError(f"need two equal, non-empty shapes; got {tuple(pred.shape)}, {tuple(ref.shape)}")
+    return (pred == ref).float().mean().item()
+
+
+def passkey_accuracy(outputs: list[str], answers: list[str]) -> float:
+    """Share of decoded outputs that contain their answer."""
+    if len(outputs) != len(answers) or not outputs:
+        raise ValueError(f"need as many outputs as answers, at least one; got {len(outputs)}, {len(answers)}")
+    return sum(a in o for o, a in zip(outputs, answers)) / len(outputs)
+
+
+def device_budget(shape: KVShape, context: int, budget: float) -> int:
+    """Device bytes for a step: two layers' whole KV (dense layers) plus the budget's share of all
+    layers' KV (a layer group's selected chunks), and at least 8 MiB."""
+    layer_kv = context * shape.token_bytes(1)
+    return max(MIN_DEVICE, 2 * layer_kv + int(budget * shape.kv_bytes(context)))
+
+
+def open_cache(model, policy: str, context: int, budget: float) -> TieredCache:
+    shape = KVShape.from_config(model.config, dtype=model.dtype)
+    config = TierConfig(device_budget=device_budget(shape, context, budget), host_budget="4GiB")
+    return TieredCache(model, config, policy, select=SelectConfig(budget=budget))
+
+
+def continuation_case(tok, context: int, continuation: int, seed: int):
+    """(context ids, continuation ids), shapes (1, context) and (continuation,), of one document."""
+    doc = make_document(tok, context + continuation + 128, seed)
+    ids = tok(doc, return_tensors="pt")["input_ids"]
+    if ids.shape[1] < context + continuation:
+        raise RuntimeError(f"document of {ids.shape[1]} tokens, need {context + continuation}")
+    return ids[:, :context], ids[0, context:context + continuation]
+
+
+def reference_argmax(model, ctx: torch.Tensor, cont: torch.Tensor) -> torch.Tensor:
+    """Full-attention argmax after each continuation token, shape (n,)."""
+    ids = torch.cat([ctx, cont.view(1, -1)], dim=1)
+    logits = model(ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=cont.numel()).logits
+    return logits[0].argmax(-1)
+
+
+def teacher_forced(model, cache: TieredCache, ctx: torch.Tensor, cont: torch.Tensor):
+    """Prefill ``ctx`` into ``cache``, feed ``cont`` one token at a time: (argmax (n,), seconds)."""
+    model(ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    preds, seconds = [], 0.0
+    for token in cont:
+        t0 = time.perf_counter()
+        logits = model(token.view(1, 1), past_key_values=cache, use_cache=True).logits
+        preds.append(logits[0, -1].argmax())
+        seconds += time.perf_counter() - t0
+    return torch.stack(preds), seconds
+
+
+def passkey_cases(tok, n: int) -> list[tuple[torch.Tensor, str]]:
+    cases = []
+    for seed in range(n):
+        fact = passkey_fact(random.Random(seed))
+        doc = make_document(tok, PASSKEY_TOKENS, seed, [fact])
+        prompt = chat_prompt(tok, doc, fact.question, fact.answer_prefix)
+        cases.append((tok(prompt, return_tensors="pt")["input_ids"], fact.answer))
+    return cases
+
+
+def passkey_run(model, tok, cases, policy: str, budget: float) -> float:
+    outputs = []
+    for ids, _ in cases:
+        with open_cache(model, policy, ids.shape[1], budget) as cache:
+            out = model.generate(ids, max_new_tokens=PASSKEY_NEW, do_sample=False, past_key_values=cache)
+        outputs.append(tok.decode(out[0, ids.shape[1]:]))
+    return passkey_accuracy(outputs, [answer for _, answer in cases])
+
+
+def measure(model, tok, policy: str, budget: float, texts, cases) -> dict:
+    """One policy at one budget: agreement over ``texts`` (ctx, cont, ref), pass-key accuracy, ms."""
+    agree, steps, seconds, by_context = 0.0, 0, 0.0, {}
+    for ctx, cont, ref in texts:
+        with open_cache(model, policy, ctx.shape[1], budget) as cache:
+            preds, secs = teacher_forced(model, cache, ctx, cont)
+        by_context[str(ctx.shape[1])] = round(top1_agreement(preds, ref), 4)
+        agree += (preds == ref).sum().item()
+        steps, seconds = steps + cont.numel(), seconds + secs
+    return {"top1_agreement": round(agree / steps, 4), "top1_by_context": by_context,
+            "passkey_acc": round(passkey_run(model, tok, cases, policy, budget), 4),
+            "ms_per_token": round(1000 * seconds / steps, 2)}
+
+
+def safe_measure(*args) -> dict:
+    try:
+        return measure(*args)
+    except Exception as exc:  # one failing policy must not sink the others' figures
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def run_policy(model, tok, policy: str, texts, cases) -> dict:
+    if policy in BUDGET_FREE:
+        once = {**safe_measure(model, tok, policy, BUDGETS[0], texts, cases), "budget_independent": True}
+        return {str(b): dict(once) for b in BUDGETS}
+    return {str(b): safe_measure(model, tok, policy, b, texts, cases) for b in BUDGETS}
+
+
+def warm_up(model, tok) -> None:
+    ctx, cont = continuation_case(tok, 256, 4, seed=999)
+    reference_argmax(model, ctx, cont)
+    with open_cache(model, "tierkv", 256, 0.25) as cache:
+        teacher_forced(model, cache, ctx, cont)
+
+
+def table(results: dict) -> str:
+    head = f"{'policy':<10}" + "".join(f" | {'agree':>6} {'pass':>5} {'ms/tok':>7} @{b:<4}" for b in BUDGETS)
+    lines = [head, "-" * len(head)]
+    for policy, per_budget in results.items():
+        row = f"{policy:<10}"
+        for b in BUDGETS:
+            r = per_budget[str(b)]
+            if "error" in r:
+                row += f" | {'error':>26}"
+            else:
+                row += f" | {r['top1_agreement']:>6.3f} {r['passkey_acc']:>5.2f} {r['ms_per_token']:>7.1f}      "
+        lines.append(row.rstrip())
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one 2K context, 32 tokens, 3 pass-key cases")
+    args = parser.parse_args(argv)
+    random.seed(0)
+    torch.manual_seed(0)
+    contexts, n_cont, n_cases = ((2048,), 32, 3) if args.quick else ((2048, 4096, 8192), 64, 10)
+    started = time.perf_counter()
+    model, tok = load_model("smollm2-135m")
+    result = {"policies": {}, "context_tokens": list(contexts), "continuation_tokens": n_cont,
+              "passkey_cases": n_cases, "passkey_tokens": PASSKEY_TOKENS, "quick": args.quick,
+              "model": "smollm2-135m"}
+    with torch.no_grad():
+        warm_up(model, tok)
+        texts = [(ctx, cont, reference_argmax(model, ctx, cont))
+                 for ctx, cont in (continuation_case(tok, c, n_cont, seed=c) for c in contexts)]
+        cases = passkey_cases(tok, n_cases)
+        for policy in POLICIES:
+            result["policies"][policy] = run_policy(model, tok, policy, texts, cases)
+            wall = time.perf_counter() - started
+            print(f"{policy} at {wall:.0f} s: {json.dumps(result['policies'][policy])}", flush=True)
+            # written after each policy: a long (full) run keeps what it has measured so far
+            result.update(complete=policy == POLICIES[-1], wall_s=round(wall, 1))
+            path = write_result("quality", result)
+    print(table(result["policies"]))
+    print(path)
+    return result
+
+
+if __name__ == "__main__":
+    main()

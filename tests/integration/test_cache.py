@@ -1,0 +1,106 @@
+"""TieredCache on the real model: exactness of the lossless path, budgets, retrieval, multi-turn."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tierkv import SelectConfig, TierConfig, TieredCache
+from tierkv.textgen import city_fact, make_document, passkey_fact, question_turn
+
+pytestmark = pytest.mark.integration
+
+# Layer-wise prefill sums attention in query blocks, plain transformers in one pass: fp32
+# rounding differs by a few ulps per layer, ~1e-5 relative on the logits after 30 layers.
+LOGIT_ATOL = 1e-3
+
+
+def generate(model, ids, cache=None, new=8):
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new, do_sample=False, past_key_values=cache)
+    return out[0, ids.shape[1]:]
+
+
+def test_prefill_logits_match_plain(model_and_tok, passkey_cases):
+    model, _ = model_and_tok
+    ids, _ = passkey_cases[0]
+    with torch.no_grad():
+        ref = model(ids).logits[0, -1]
+        with TieredCache(model, TierConfig(device_budget="8MB", host_budget="1GB"), "full",
+                         prefill_block=128) as cache:
+            got = model(ids, past_key_values=cache, use_cache=True).logits[0, -1]
+    assert torch.allclose(got, ref, atol=LOGIT_ATOL), (got - ref).abs().max()
+    assert got.argmax() == ref.argmax()
+
+
+def test_full_through_disk_reproduces_greedy(model_and_tok, passkey_cases, tmp_path):
+    model, _ = model_and_tok
+    ids, _ = passkey_cases[1]
+    ref = generate(model, ids, new=12)
+    kv_bytes = 2 * 30 * 3 * 64 * 4 * ids.shape[1]
+    budget = kv_bytes // 10
+    config = TierConfig(device_budget=budget, host_budget=kv_bytes // 4, disk_dir=tmp_path)
+    with TieredCache(model, config, "full") as cache:
+        got = generate(model, ids, cache, new=12)
+        stats = cache.stats()
+        assert cache.store.device.peak <= budget
+        assert cache.store.disk.used > 0, "part of the KV must have spilled to disk"
+    assert torch.equal(got, ref), f"{got.tolist()} != {ref.tolist()}"
+    assert stats["device_peak_bytes"] <= budget
+
+
+@pytest.mark.parametrize("policy", ["tierkv", "omnikv", "leoam", "quest", "full"])
+def test_passkey_retrieval(model_and_tok, passkey_cases, policy):
+    model, tok = model_and_tok
+    correct = 0
+    for ids, answer in passkey_cases:
+        with TieredCache(model, TierConfig(device_budget="8MB", host_budget="1GB"), policy,
+                         select=SelectConfig(budget=0.1)) as cache:
+            correct += answer in tok.decode(generate(model, ids, cache, new=7))
+    assert correct >= 9, f"{policy}: {correct}/10"
+
+
+@pytest.mark.parametrize("policy", ["tierkv", "full"])
+def test_two_questions_on_one_cache(model_and_tok, policy, tmp_path):
+    model, tok = model_and_tok
+    rng = random.Random(7)
+    facts = [passkey_fact(rng), city_fact(rng)]
+    doc = make_document(tok, 900, 7, facts, depths=[0.3, 0.7])
+    config = TierConfig(device_budget="8MB", host_budget="16MB", disk_dir=tmp_path)
+    with TieredCache(model, config, policy) as cache:
+        context = torch.zeros(1, 0, dtype=torch.long)
+        for i, fact in enumerate(facts):
+            intro = (f"There is {facts[0].hint} and {facts[1].hint} hidden in the text below. "
+                     f"Find them and remember them.\n\n{doc}\n\n") if i == 0 else ""
+            turn = question_turn(tok, intro + fact.question, fact.answer_prefix)
+            new_ids = tok(turn, return_tensors="pt", add_special_tokens=False)["input_ids"]
+            ids = torch.cat([context, new_ids], dim=1)
+            with torch.no_grad():
+                out = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=cache)
+            assert fact.answer in tok.decode(out[0, ids.shape[1]:]), f"question {i}"
+            context = out
+
+
+def test_batch_and_close(model_and_tok):
+    model, tok = model_and_tok
+    before = model.config._attn_implementation
+    cache = TieredCache(model, TierConfig(device_budget="8MB", host_budget="64MB"), "full")
+    assert model.config._attn_implementation != before
+    ids = tok(["one two three", "four five six"], return_tensors="pt")["input_ids"]
+    with pytest.raises(ValueError, match="batch size 2"):
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+    cache.close()
+    cache.close()
+    assert model.config._attn_implementation == before
+
+
+def test_sampling_runs(model_and_tok, passkey_cases):
+    model, _ = model_and_tok
+    ids, _ = passkey_cases[2]
+    torch.manual_seed(0)
+    with TieredCache(model, TierConfig(device_budget="8MB", host_budget="1GB"), "tierkv") as cache:
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=5, do_sample=True, top_k=20, past_key_values=cache)
+    assert out.shape[1] == ids.shape[1] + 5

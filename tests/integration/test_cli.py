@@ -1,0 +1,157 @@
+"""The ``tierkv`` command as a user runs it: real subprocesses, the real model, short documents."""
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tierkv.cli import describe, main
+from tierkv.storage import CorruptRecordError, DiskWriteError
+from tierkv.textgen import make_document, passkey_fact
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+SEED = 1  # SmolLM2 finds this document's pass key (seed 0's fools it even at 600 tokens)
+BUDGETS = ["--device-budget", "8MB", "--host-budget", "8MB", "--max-new-tokens", "6"]
+
+
+def tierkv(*args, cwd: Path) -> subprocess.CompletedProcess:
+    """Run ``python -m tierkv.cli ARGS`` in ``cwd``; the completed process (text output)."""
+    return subprocess.run([sys.executable, "-m", "tierkv.cli", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+@pytest.fixture(scope="module")
+def case(model_and_tok, tmp_path_factory):
+    """A ~700-token document with a pass key, the question, and its answer."""
+    _, tok = model_and_tok
+    fact = passkey_fact(random.Random(SEED))
+    work = tmp_path_factory.mktemp("cli")
+    (work / "doc.txt").write_text(make_document(tok, 700, SEED, [fact]))
+    return work, fact
+
+
+@pytest.fixture(scope="module")
+def saved(case):
+    """``generate --save``: a fresh prefill that answers and saves the document."""
+    work, fact = case
+    run = tierkv("generate", "--file", "doc.txt", "--question", fact.question, "--answer-prefix",
+                 fact.answer_prefix, "--disk-dir", "disk", "--save", "saved", *BUDGETS, cwd=work)
+    assert run.returncode == 0, run.stderr
+    return work, fact, run
+
+
+def test_generate_streams_answer_and_reports(saved):
+    work, fact, run = saved
+    assert run.stdout.startswith(fact.answer_prefix)
+    assert fact.answer in run.stdout
+    for row in ("prefill", "decode", "KV on device", "KV on host", "KV on disk",
+                "disk read / token", "stall fraction"):
+        assert row in run.stderr, f"{row!r} missing from the report:\n{run.stderr}"
+    assert "prefill" in run.stderr and "layer" in run.stderr  # the layer-wise progress bar
+    assert (work / "saved" / "manifest.safetensors").is_file()
+
+
+def test_load_answers_like_a_fresh_prefill(saved):
+    work, fact, fresh = saved
+    run = tierkv("generate", "--load", "saved", "--question", fact.question, "--answer-prefix",
+                 fact.answer_prefix, *BUDGETS, cwd=work)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == fresh.stdout
+    assert "reopen" in run.stderr and "no prefill" in run.stderr
+
+
+def test_inspect_and_plot(saved):
+    work, _, _ = saved
+    run = tierkv("inspect", "saved", "--plot", "tree.png", cwd=work)
+    assert run.returncode == 0, run.stderr
+    assert "saved document: model smollm2-135m" in run.stdout
+    assert "records read back and verified" in run.stdout
+    assert "layer groups" in run.stdout
+    assert (work / "tree.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_corrupt_store(saved, tmp_path):
+    work, fact, _ = saved
+    broken = tmp_path / "broken"
+    shutil.copytree(work / "saved", broken)
+    segment = sorted(broken.glob("seg-*.tkv"))[0]
+    data = bytearray(segment.read_bytes())
+    for offset in range(len(data) // 3, len(data) // 3 + 64):  # inside some record's payload
+        data[offset] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    inspect = tierkv("inspect", broken, cwd=work)
+    assert inspect.returncode == 1
+    assert "DAMAGED" in inspect.stdout or "dropped" in inspect.stdout
+    run = tierkv("generate", "--load", broken, "--question", fact.question, *BUDGETS, cwd=work)
+    assert run.returncode == 2
+    assert last_line(run.stderr).startswith("tierkv: error: "), run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def run_main(args: list[str], capsys) -> tuple[int, str]:
+    """``tierkv ARGS`` in this process (what the console script calls): (status, stderr)."""
+    try:
+        status = main(args)
+    except SystemExit as exc:  # argparse's usage errors
+        status = exc.code
+    return status, capsys.readouterr().err
+
+
+def test_error_in_a_subprocess(case):
+    work, _ = case
+    run = tierkv("generate", "--file", "doc.txt", "--question", "q", "--policy", "best", cwd=work)
+    assert run.returncode == 2
+    assert last_line(run.stderr).startswith("tierkv: error: argument --policy: invalid choice")
+
+
+# The other error cases run in-process, through the same ``main``: each fails before any model
+# is loaded, and a subprocess would spend its time importing torch.
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--file", "absent.txt", "--question", "q"], "no such file"),
+    (["generate", "--file", "doc.txt", "--question", "q", "--device-budget", "12XB"], "12XB"),
+    (["generate", "--file", "doc.txt", "--question", "q", "--host-budget", "-1"], "-1"),
+    (["generate", "--model", "no-such-model", "--file", "doc.txt", "--question", "q"],
+     "not a known model"),
+    (["generate", "--load", "absent-dir", "--question", "q"], "no such directory"),
+    (["generate", "--file", "doc.txt", "--question", "q", "--save", "doc.txt"], "not an empty"),
+    (["inspect", "absent-dir"], "no such directory"),
+    (["bench", "no-such-bench"], "unknown benchmark"),
+])
+def test_errors_are_one_line(case, monkeypatch, capsys, args, message):
+    work, _ = case
+    monkeypatch.chdir(work)
+    status, err = run_main(args, capsys)
+    assert status == 2
+    line = last_line(err)
+    assert line.startswith("tierkv: error: ") and message in line, err
+    assert "Traceback" not in err
+
+
+def test_debug_raises(case, monkeypatch):
+    work, _ = case
+    monkeypatch.chdir(work)
+    with pytest.raises(ValueError, match="no such file"):
+        main(["generate", "--file", "absent.txt", "--question", "q", "--debug"])
+
+
+def test_full_disk_and_corrupt_messages():
+    full = DiskWriteError("writing 4096 B to seg-000001.tkv failed")
+    full.__cause__ = OSError(errno.ENOSPC, "No space left on device")
+    assert describe(full).startswith("disk full: writing 4096 B")
+    assert describe(OSError(errno.ENOSPC, "No space left on device")).startswith("disk full")
+    assert describe(CorruptRecordError("record x: crc mismatch")).startswith("corrupt store: record x")

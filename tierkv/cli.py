@@ -1,0 +1,147 @@
+"""The ``tierkv`` command: ``generate``, ``inspect``, ``calibrate`` and ``bench``.
+
+Every command checks its inputs before it loads a model. A failure prints one line,
+``tierkv: error: ...``, and exits with status 2; ``--debug`` shows the traceback instead.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .config import parse_size
+from .hf.model import ModelLoadError
+from .storage.base import CorruptRecordError, StorageError
+
+EXIT_ERROR = 2
+BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+_NOT_BENCHMARKS = {"__init__", "common", "report"}
+
+
+class UsageError(Exception):
+    """A command-line input that cannot be used (a missing file, a bad combination)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one ``tierkv: error: ...`` line (exit 2)."""
+
+    def error(self, message):
+        sys.stderr.write(f"tierkv: error: {message} (see '{self.prog} --help')\n")
+        sys.exit(EXIT_ERROR)
+
+
+def size_arg(text: str) -> int:
+    """argparse type of a byte size such as ``64MB``."""
+    try:
+        return parse_size(text, "size")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("size=", "", 1)) from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type of an integer in [1, 100000]."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 1 <= value <= 100_000:
+        raise argparse.ArgumentTypeError(f"{value} must be in [1, 100000]")
+    return value
+
+
+def benchmarks() -> list[str]:
+    """Names of the benchmarks under ``bench/`` (empty when not run from a source checkout)."""
+    if not BENCH_DIR.is_dir():
+        return []
+    return sorted(p.stem for p in BENCH_DIR.glob("*.py") if p.stem not in _NOT_BENCHMARKS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .cli_generate import add_generate_args
+    from .cli_inspect import add_inspect_args
+
+    parser = _Parser(prog="tierkv", description="Long-context decoding with the KV cache on "
+                     "three tiers (device, host, disk).")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    debug = argparse.ArgumentParser(add_help=False)  # --debug after the command name, too
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show tracebacks of errors")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    add_generate_args(commands.add_parser(
+        "generate", parents=[debug],
+        help="answer a question about a long document, streaming the answer"))
+    add_inspect_args(commands.add_parser(
+        "inspect", parents=[debug],
+        help="what a disk directory holds, its health, and a picture of it"))
+    calibrate = commands.add_parser("calibrate", parents=[debug], help="write a model's profile "
+                                    "(filter layers, retrieval heads)")
+    calibrate.add_argument("--model", required=True, help="smollm2-135m or a local model directory")
+    calibrate.add_argument("--out", type=Path, help="profile directory (default: the shipped "
+                           "profiles of tierkv)")
+    calibrate.set_defaults(run=run_calibrate)
+    bench = commands.add_parser("bench", parents=[debug], help="run a benchmark from bench/ "
+                                f"({', '.join(benchmarks()) or 'none found'})")
+    bench.add_argument("name", help="benchmark name")
+    bench.add_argument("--quick", action="store_true", help="the short version")
+    bench.set_defaults(run=run_bench)
+    return parser
+
+
+def run_calibrate(args) -> int:
+    """``tierkv calibrate``: calibrate the model and save its profile."""
+    from .hf.calibrate import calibrate
+    from .hf.model import load_model
+    from .hf.profile import PROFILES, model_id, save_profile
+
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out {args.out}: exists and is not a directory")
+    model, tok = load_model(args.model)
+    profile = calibrate(model, tok)
+    path = save_profile(profile, model_id(model), args.out or PROFILES)
+    print(f"profile of {model_id(model)} written to {path}")
+    return 0
+
+
+def run_bench(args) -> int:
+    """``tierkv bench NAME``: run ``python -m bench.NAME`` from the source checkout."""
+    names = benchmarks()
+    if not names:
+        raise UsageError(f"no benchmarks found: {BENCH_DIR} is missing (run from a source checkout)")
+    if args.name not in names:
+        raise UsageError(f"unknown benchmark {args.name!r}: choose from {', '.join(names)}")
+    command = [sys.executable, "-m", f"bench.{args.name}"] + (["--quick"] if args.quick else [])
+    return subprocess.run(command, cwd=BENCH_DIR.parent).returncode
+
+
+def describe(exc: BaseException) -> str:
+    """The one-line message of an error the user can act on."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+        return f"disk full: {exc} (free space or pick another --disk-dir)"
+    if isinstance(exc, CorruptRecordError):
+        return f"corrupt store: {exc} (see 'tierkv inspect DIR')"
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``tierkv`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except BrokenPipeError:  # the reader of our output went away (``tierkv inspect DIR | head``)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except (UsageError, ValueError, ModelLoadError, StorageError, OSError, KeyboardInterrupt) as exc:
+        if args.debug:
+            raise
+        sys.stderr.write(f"tierkv: error: {describe(exc)}\n")
+        return 130 if isinstance(exc, KeyboardInterrupt) else EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Checks of the paths a user names on the command line, before any model is loaded."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .storage.manifest import MANIFEST
+
+MAX_DOCUMENT_BYTES = 64 << 20
+
+
+def read_document(path: Path) -> str:
+    """The text of ``--file``: an existing, non-empty UTF-8 text file of at most 64 MiB."""
+    if not path.exists():
+        raise ValueError(f"--file {path}: no such file")
+    if not path.is_file():
+        raise ValueError(f"--file {path}: not a regular file")
+    size = path.stat().st_size
+    if size > MAX_DOCUMENT_BYTES:
+        raise ValueError(f"--file {path}: {size} bytes, more than the {MAX_DOCUMENT_BYTES} allowed")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--file {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if "\x00" in text:
+        raise ValueError(f"--file {path}: holds NUL bytes (a binary file?)")
+    if not text.strip():
+        raise ValueError(f"--file {path}: is empty")
+    return text
+
+
+def check_new_dir(path: Path, option: str) -> None:
+    """``path`` may become a new store: it is absent or an empty directory."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ValueError(f"{option} {path}: exists and is not an empty directory")
+
+
+def check_store_dir(path: Path, option: str) -> None:
+    """``path`` is a directory holding a tierkv disk tier (its manifest)."""
+    if not path.is_dir():
+        raise ValueError(f"{option} {path}: no such directory")
+    if not (path / MANIFEST).is_file():
+        raise ValueError(f"{option} {path}: not a tierkv store (no {MANIFEST})")

@@ -1,0 +1,169 @@
+"""``tierkv generate``: answer a question about a long document, or about a saved one.
+
+The document is prefilled on its own (layer by layer, with a progress bar), optionally saved,
+and the question follows as new tokens; so a fresh run and a ``--load`` run feed the model the
+same token ids and give the same answer.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .cli_args import check_new_dir, check_store_dir, read_document
+from .cli_report import TimedStreamer, kv_rows, print_table, run_rows
+from .textgen import chat_prompt
+
+DEFAULT_POLICY = "tierkv"
+_MARK = "\x00"  # stands for the part of the prompt a function leaves out; no document holds it
+
+
+def add_generate_args(parser: argparse.ArgumentParser) -> None:
+    from .cli import positive_int, size_arg
+    from .policies import REGISTRY
+
+    parser.add_argument("--model", default="smollm2-135m", help="smollm2-135m or a local model "
+                        "directory (default: %(default)s)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--file", type=Path, help="the document, a UTF-8 text file")
+    source.add_argument("--load", type=Path, metavar="DIR", help="a document saved by --save "
+                        "(no prefill)")
+    parser.add_argument("--question", required=True, help="what to ask about the document")
+    parser.add_argument("--answer-prefix", default="", metavar="TEXT",
+                        help="the first words of the answer, given to the model")
+    parser.add_argument("--policy", choices=sorted(REGISTRY), help="KV policy (default: "
+                        f"{DEFAULT_POLICY}; with --load, the saved document's)")
+    parser.add_argument("--device-budget", type=size_arg, default="64MB", metavar="SIZE",
+                        help="KV bytes on the device (default: %(default)s)")
+    parser.add_argument("--host-budget", type=size_arg, default="256MB", metavar="SIZE",
+                        help="KV bytes in host memory (default: %(default)s)")
+    parser.add_argument("--disk-dir", type=Path, metavar="DIR", help="disk tier directory, new "
+                        "or empty (default: a temporary one; with --load, the saved directory)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N",
+                        help="tokens to generate at most (default: %(default)s)")
+    parser.add_argument("--save", type=Path, metavar="DIR", help="save the prefilled document "
+                        "to DIR, to ask more questions later with --load DIR")
+    parser.set_defaults(run=run_generate)
+
+
+def run_generate(args) -> int:
+    """Check the inputs, load the model, prefill or reopen the document, stream the answer."""
+    document = read_document(args.file) if args.file is not None else None
+    if args.load is not None:
+        check_store_dir(args.load, "--load")
+        if args.save is not None:
+            raise ValueError("--save with --load: the document is saved already")
+        if args.disk_dir is not None:
+            raise ValueError("--disk-dir with --load: the saved directory is the disk tier")
+    if args.save is not None:
+        check_new_dir(args.save, "--save")
+    if args.disk_dir is not None and args.disk_dir != args.save:
+        check_new_dir(args.disk_dir, "--disk-dir")  # a used one would mix in another run's records
+    if not args.question.strip():
+        raise ValueError("--question is empty")
+    with ExitStack() as stack:
+        model, tok = _load(args.model)
+        cache, figures = _document_cache(args, model, tok, document, stack)
+        stack.callback(cache.close)
+        figures.update(_answer(args, model, tok, cache))
+        print_table(run_rows(figures) + kv_rows(cache))
+    return 0
+
+
+def _load(name: str):
+    """The model and tokenizer, with a progress bar (transformers' own bars are turned off)."""
+    from transformers.utils import logging as hf_logging
+
+    from .hf.model import load_model
+
+    hf_logging.disable_progress_bar()
+    with tqdm(total=1, desc="loading model", unit="model", file=sys.stderr, leave=False) as bar:
+        bar.set_postfix_str(name)
+        model, tok = load_model(name)
+        bar.update()
+    return model, tok
+
+
+def _document_cache(args, model, tok, document, stack: ExitStack):
+    """A TieredCache holding the document: prefilled now (and saved with --save), or reopened."""
+    from .config import TierConfig
+    from .hf.cache import TieredCache
+
+    if args.load is not None:
+        t0 = time.perf_counter()
+        config = TierConfig(args.device_budget, args.host_budget, disk_dir=args.load)
+        cache = TieredCache.open(model, args.load, config, args.policy)
+        return cache, {"reopen_s": time.perf_counter() - t0, "document_tokens": cache.token_ids.shape[1]}
+    disk_dir = args.disk_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="tierkv-"))
+    config = TierConfig(args.device_budget, args.host_budget, disk_dir=disk_dir)
+    cache = TieredCache(model, config, args.policy or DEFAULT_POLICY)
+    try:
+        ids = tok(document_text(tok, document), return_tensors="pt")["input_ids"]
+        seconds = prefill(model, cache, ids)
+        if args.save is not None:
+            cache.save(args.save)
+            print(f"saved {ids.shape[1]} document tokens to {args.save}", file=sys.stderr)
+    except BaseException:
+        cache.close()
+        raise
+    return cache, {"prefill_s": seconds, "document_tokens": ids.shape[1]}
+
+
+def _answer(args, model, tok, cache) -> dict:
+    """Stream the answer to stdout; timings and disk reads of the answer."""
+    turn = tok(question_text(tok, args.question, args.answer_prefix), return_tensors="pt",
+               add_special_tokens=False)["input_ids"]
+    ids = torch.cat([cache.token_ids, turn], dim=1)
+    streamer = TimedStreamer(tok, cache)
+    sys.stdout.write(args.answer_prefix)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                       max_new_tokens=args.max_new_tokens, do_sample=False, streamer=streamer)
+    return {"question_tokens": turn.shape[1], **streamer.figures(t0)}
+
+
+def prefill(model, cache, ids: torch.Tensor) -> float:
+    """Prefill ``ids`` (1, n) into ``cache`` with a per-layer progress bar; the seconds taken."""
+    t0 = time.perf_counter()
+    with layer_progress(model, f"prefill {ids.shape[1]} tokens"), torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return time.perf_counter() - t0
+
+
+@contextmanager
+def layer_progress(model, desc: str):
+    """A tqdm bar that advances as each decoder layer starts (forward pre-hooks, removed on exit)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: expected model.model.layers (a decoder)")
+    bar = tqdm(total=len(layers), desc=desc, unit="layer", file=sys.stderr, leave=False)
+
+    def started(module, args) -> None:  # a pre-hook's return value would replace the input
+        bar.update()
+
+    handles = [layer.register_forward_pre_hook(started) for layer in layers]
+    try:
+        yield bar
+    finally:
+        for handle in handles:
+            handle.remove()
+        bar.close()
+
+
+def document_text(tok, document: str) -> str:
+    """The prompt up to the end of the document (what --save stores)."""
+    full = chat_prompt(tok, document, _MARK)
+    return full[:full.index("\n\n" + _MARK)]
+
+
+def question_text(tok, question: str, answer_prefix: str) -> str:
+    """The question, the end of the user turn and the start of the reply (after a document)."""
+    full = chat_prompt(tok, _MARK, question, answer_prefix)
+    return full[full.index(_MARK) + len(_MARK):]

@@ -1,0 +1,140 @@
+"""Saved documents: a prefilled cache written to a disk-tier directory, reopened without prefill.
+
+A saved document is its records (in the directory's segments) plus one metadata entry in the
+manifest: the format version, the model's identity, the policy and configs, and arrays for the
+chunk indexes, the unsealed recent windows and the token ids of the cached sequence.
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from pathlib import Path
+
+import torch
+
+from ..config import ChunkConfig, SelectConfig, TierConfig
+from ..storage.disk import DiskTier
+
+FORMAT_VERSION = 1
+
+
+def model_identity(model) -> dict:
+    """What must match between the model that saved a document and the one that opens it."""
+    from .profile import model_id
+
+    cfg = getattr(model.config, "text_config", None) or model.config
+    weight = model.get_input_embeddings().weight
+    sample = weight[: min(16, weight.shape[0])].detach().float().cpu().contiguous()
+    return {"id": model_id(model), "layers": cfg.num_hidden_layers, "vocab": cfg.vocab_size,
+            "hidden": cfg.hidden_size, "kv_heads": getattr(cfg, "num_key_value_heads", None),
+            "dtype": str(weight.dtype), "fingerprint": zlib.crc32(sample.numpy().tobytes())}
+
+
+def save(cache, path) -> Path:
+    """Write every record and the document's metadata of ``cache`` under directory ``path``."""
+    path = Path(path)
+    cache.compact()
+    own = cache.store.disk
+    same = own is not None and Path(own.path).resolve() == path.resolve()
+    disk = own if same else DiskTier(path, codec=cache.config.codec)
+    try:
+        for index in cache.indexes:
+            for key in index.keys:
+                if not (same and cache.store.where(key) == "disk"):
+                    disk.put(key, cache.store.get(key))
+        disk.set_doc_meta(cache.doc, _meta(cache), _arrays(cache))
+        disk.flush()
+    finally:
+        if not same:
+            disk.close()
+    return path
+
+
+def _meta(cache) -> dict:
+    return {"format": FORMAT_VERSION, "model": model_identity(cache._model),
+            "policy": cache.policy.name, "tokens": cache.get_seq_length(),
+            "select": dataclasses.asdict(cache.select), "chunks": dataclasses.asdict(cache.chunks),
+            "groups": [list(g) for g in cache.groups]}
+
+
+def _arrays(cache) -> dict[str, torch.Tensor]:
+    arrays = {"token_ids": cache.token_ids[0].clone()}
+    for g, index in enumerate(cache.indexes):
+        arrays.update({f"g{g}.{name}": t for name, t in index.state().items()})
+    for layer, (k, v) in enumerate(cache._window):
+        arrays[f"l{layer}.wk"], arrays[f"l{layer}.wv"] = k.cpu(), v.cpu()
+    return {name: t.contiguous().clone() for name, t in arrays.items()}
+
+
+def read_meta(path, doc: str | None = None) -> tuple[str, dict, dict]:
+    """(doc, meta, arrays) of a saved document; the only one in ``path`` when ``doc`` is None."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"saved document directory {str(path)!r} does not exist")
+    with DiskTier(path) as disk:
+        docs = [d for d in disk.docs() if "format" in _meta_or_empty(disk, d)]
+        if doc is None:
+            if len(docs) != 1:
+                raise ValueError(f"{path} holds {len(docs)} saved documents ({', '.join(docs)}): name one")
+            doc = docs[0]
+        if doc not in docs:
+            raise ValueError(f"{path} has no saved document {doc!r} (it has: {', '.join(docs) or 'none'})")
+        meta, arrays = disk.doc_meta(doc)
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path}: saved with format {meta.get('format')}, this tierkv reads {FORMAT_VERSION}")
+    return doc, meta, arrays
+
+
+def _meta_or_empty(disk: DiskTier, doc: str) -> dict:
+    try:
+        return disk.doc_meta(doc)[0]
+    except KeyError:
+        return {}
+
+
+def open_cache(cls, model, path, config: TierConfig | None = None, policy: str | None = None,
+               doc: str | None = None):
+    """Reopen a saved document as a ``cls`` (TieredCache) bound to ``model``."""
+    doc, meta, arrays = read_meta(path, doc)
+    saved, here = meta["model"], model_identity(model)
+    if saved != here:
+        diff = ", ".join(f"{k}: saved {saved.get(k)!r} vs {here.get(k)!r}" for k in here if saved.get(k) != here[k])
+        raise ValueError(f"{path} was saved with another model ({diff})")
+    config = config or TierConfig(disk_dir=path)
+    if config.disk_dir is None or Path(config.disk_dir).resolve() != Path(path).resolve():
+        config = dataclasses.replace(config, disk_dir=Path(path))
+    select = _config(SelectConfig, meta["select"])
+    cache = cls(model, config, policy or meta["policy"], select=select,
+                chunks=_config(ChunkConfig, meta["chunks"]), doc=doc)
+    try:
+        _restore(cache, meta, arrays)
+    except Exception:
+        cache.close()
+        raise
+    return cache
+
+
+def _config(kind, values: dict):
+    if "filter_layers" in values and values["filter_layers"] is not None:
+        values = {**values, "filter_layers": tuple(values["filter_layers"])}
+    return kind(**values)
+
+
+def _restore(cache, meta: dict, arrays: dict) -> None:
+    if [list(g) for g in cache.groups] != meta["groups"]:
+        raise ValueError(f"policy {cache.policy.name!r} groups layers differently from the saved "
+                         f"{meta['policy']!r}: reopen with the saved policy")
+    for g, index in enumerate(cache.indexes):
+        prefix = f"g{g}."
+        index.load_state({k[len(prefix):]: t for k, t in arrays.items() if k.startswith(prefix)})
+        missing = [k for k in index.keys if cache.store.where(k) is None]
+        if missing:
+            raise ValueError(f"saved document {cache.doc!r} lacks {len(missing)} records, e.g. {missing[0]}")
+    for layer in range(cache.shape.layers):
+        k, v = arrays[f"l{layer}.wk"], arrays[f"l{layer}.wv"]
+        cache._window[layer] = (k.to(cache.device, cache.shape.dtype), v.to(cache.device, cache.shape.dtype))
+        cache.store.device.reserve(f"window:{layer}", k.nbytes + v.nbytes)
+    cache.token_ids = arrays["token_ids"].view(1, -1).long()
+    if cache.get_seq_length() != meta["tokens"] or cache.token_ids.shape[1] != meta["tokens"]:
+        raise ValueError(f"saved document {cache.doc!r} is inconsistent: {meta['tokens']} tokens "
+                         f"recorded, {cache.get_seq_length()} restored")
