@@ -103,7 +103,8 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(child(tokens, args.child)))
         return
-    with tempfile.TemporaryDirectory(prefix="bench-reopen-", dir=Path.cwd()) as work:
+    Path("kv").mkdir(exist_ok=True)  # on the local disk, and git-ignored
+    with tempfile.TemporaryDirectory(prefix="bench-reopen-", dir="kv") as work:
         saved = save_document(tokens, Path(work))
         command = [sys.executable, "-m", "bench.reopen", "--child", work] + ["--quick"] * args.quick
         run = subprocess.run(command, capture_output=True, text=True, check=True)

@@ -21,10 +21,6 @@ BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 _NOT_BENCHMARKS = {"__init__", "common", "report"}
 
 
-class UsageError(Exception):
-    """A command-line input that cannot be used (a missing file, a bad combination)."""
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one ``tierkv: error: ...`` line (exit 2)."""
 
@@ -97,7 +93,7 @@ def run_calibrate(args) -> int:
     from .hf.profile import PROFILES, model_id, save_profile
 
     if args.out is not None and args.out.exists() and not args.out.is_dir():
-        raise UsageError(f"--out {args.out}: exists and is not a directory")
+        raise ValueError(f"--out {args.out}: exists and is not a directory")
     model, tok = load_model(args.model)
     profile = calibrate(model, tok)
     path = save_profile(profile, model_id(model), args.out or PROFILES)
@@ -109,22 +105,28 @@ def run_bench(args) -> int:
     """``tierkv bench NAME``: run ``python -m bench.NAME`` from the source checkout."""
     names = benchmarks()
     if not names:
-        raise UsageError(f"no benchmarks found: {BENCH_DIR} is missing (run from a source checkout)")
+        raise ValueError(f"no benchmarks found: {BENCH_DIR} is missing (run from a source checkout)")
     if args.name not in names:
-        raise UsageError(f"unknown benchmark {args.name!r}: choose from {', '.join(names)}")
+        raise ValueError(f"unknown benchmark {args.name!r}: choose from {', '.join(names)}")
     command = [sys.executable, "-m", f"bench.{args.name}"] + (["--quick"] if args.quick else [])
     return subprocess.run(command, cwd=BENCH_DIR.parent).returncode
 
 
 def describe(exc: BaseException) -> str:
     """The one-line message of an error the user can act on."""
-    cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
-    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
-        return f"disk full: {exc} (free space or pick another --disk-dir)"
-    if isinstance(exc, CorruptRecordError):
-        return f"corrupt store: {exc} (see 'tierkv inspect DIR')"
+    chain = [exc]
+    while chain[-1].__cause__ is not None and len(chain) < 8:
+        chain.append(chain[-1].__cause__)
+    if any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in chain):
+        return f"disk full: {_one_line(exc)} (free space or pick another --disk-dir)"
+    if any(isinstance(e, CorruptRecordError) for e in chain):
+        return f"corrupt store: {_one_line(exc)} (see 'tierkv inspect DIR')"
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted"
+    return _one_line(exc)
+
+
+def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader of our output went away (``tierkv inspect DIR | head``)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except (UsageError, ValueError, ModelLoadError, StorageError, OSError, KeyboardInterrupt) as exc:
+    except (ValueError, ModelLoadError, StorageError, OSError, KeyboardInterrupt) as exc:
         if args.debug:
             raise
         sys.stderr.write(f"tierkv: error: {describe(exc)}\n")

@@ -182,8 +182,9 @@ def doc_lines(doc: DocSurvey) -> list[str]:
         absent = sum(e - s for s, e, st in chunks if st == "missing")
         layers = meta.get("groups", [])
         who = f" (layers {_span(layers[group])})" if group < len(layers) else ""
-        lines.append(f"  group {group}{who}: {len(sizes)} chunks on disk of {min(sizes, default=0)}-"
-                     f"{max(sizes, default=0)} tokens, {absent} tokens not on disk, sealed up to "
+        gap = f", {absent} tokens not on disk" if absent else ""
+        lines.append(f"  group {group}{who}: {len(sizes)} chunks of {min(sizes, default=0)}-"
+                     f"{max(sizes, default=0)} tokens on disk{gap}, sealed up to "
                      f"{chunks[-1][1] if chunks else 0}, window {doc.window.get(group, 0)}")
     return lines
 

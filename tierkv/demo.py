@@ -8,7 +8,8 @@ Three steps, each a separate ``tierkv`` process, as a user would type them:
 2. ``tierkv inspect saved``: what the saved directory holds, every record verified.
 3. ``tierkv generate --load saved ...``: a new process asks a second question without prefilling.
 
-Everything is written under a temporary ``./kv-demo-*`` directory, removed at the end.
+Everything is written under a temporary ``./kv/demo-*`` directory (``kv/`` is git-ignored),
+removed at the end.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ SEED = 11
 DEVICE_SHARE, HOST_SHARE = 0.10, 0.25
 NEW_TOKENS = 10
 RULE = "-" * 78
+WORK_ROOT = Path("kv")  # on the local disk (a system temp dir may be RAM), and git-ignored
 KEY_QUESTION, KEY_PREFIX = "What is the pass key number?", "The pass key number is"
 
 INTRO = f"""\
@@ -63,7 +65,8 @@ def main() -> int:
     print(f"Its KV cache: {kv / 1e6:.0f} MB. Budgets: device {device / 1e6:.1f} MB "
           f"({DEVICE_SHARE:.0%}), host {host / 1e6:.1f} MB ({HOST_SHARE:.0%}); the rest, "
           f"~{(kv - device - host) / 1e6:.0f} MB, goes to disk.\n")
-    with tempfile.TemporaryDirectory(prefix="kv-demo-", dir=Path.cwd()) as work:
+    WORK_ROOT.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="demo-", dir=WORK_ROOT) as work:
         work = Path(work)
         (work / "doc.txt").write_text(document, encoding="utf-8")
         return _steps(work, key, city, device, host)

@@ -160,7 +160,7 @@ class ChunkTree:
         return prefix
 
     def update(self, mass: torch.Tensor, selected: torch.Tensor,
-               token_scores: torch.Tensor | None = None) -> Changes:
+               token_scores: torch.Tensor | None = None, max_size: int | None = None) -> Changes:
         """Fold one evaluation into the statistics, merge deserts, and ask for splits.
 
         Parameters
@@ -171,6 +171,8 @@ class ChunkTree:
         selected : BoolTensor, shape (m,), the leaves fetched this step.
         token_scores : Tensor, shape (L,), the scores ``mass`` came from; without them no split
             is proposed (concentration inside a leaf is unknown).
+        max_size : cap on merged leaves below ``config.max`` (a selector passes a fraction of its
+            token budget: a leaf larger than the budget could never be fetched again).
         """
         m = self.num_leaves
         if mass.shape != (m,) or selected.shape != (m,) or selected.dtype != torch.bool:
@@ -191,7 +193,8 @@ class ChunkTree:
             eligible[-1] = False
         for request in splits:
             eligible[self.leaf_at(request.start)] = False
-        return Changes(self._merge(eligible), splits)
+        limit = self.config.max if max_size is None else max(self.config.min, min(max_size, self.config.max))
+        return Changes(self._merge(eligible, limit), splits)
 
     def _split_requests(self, mass, candidates, token_scores) -> list[SplitRequest]:
         cuts = self.bounds[:-1] + self.sizes // 2
@@ -205,12 +208,12 @@ class ChunkTree:
                              float(frac[i])) for i in idx]
 
     # -- structure --------------------------------------------------------------------
-    def _merge(self, eligible: torch.Tensor) -> list[tuple[int, int]]:
+    def _merge(self, eligible: torch.Tensor, limit: int) -> list[tuple[int, int]]:
         sizes = self.sizes
-        pair = eligible[:-1] & eligible[1:] & (sizes[:-1] + sizes[1:] <= self.config.max)
+        pair = eligible[:-1] & eligible[1:] & (sizes[:-1] + sizes[1:] <= limit)
         if not bool(pair.any()):
             return []
-        groups = _pack_runs(eligible.tolist(), sizes.tolist(), self.config.max)
+        groups = _pack_runs(eligible.tolist(), sizes.tolist(), limit)
         merged = [(int(self.bounds[first]), int(self.bounds[last])) for first, last in groups]
         keep = torch.ones(self.num_leaves + 1, dtype=torch.bool)
         for first, last in groups:

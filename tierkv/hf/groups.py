@@ -72,11 +72,20 @@ class GroupIndex:
         return Fetch(tuple(r.handle for r in records), torch.arange(int(lens.sum())) + offsets)
 
     def bound_scores(self, q: torch.Tensor) -> torch.Tensor:
-        """Upper bound of ``q . k`` over each leaf (LKA), max over query heads: (m,).
+        """Ranking of the leaves by their LKA upper bound of ``q . k``: (m,), higher is better.
+
+        Each KV head ranks the leaves by its own bound (max over its GQA query heads); a leaf
+        scores by its best rank over the heads, so every head gets its top leaves into the budget
+        (round robin) instead of the heads with the loosest bounds taking it all. Ties go to
+        the higher bound.
 
         q : Tensor, shape (q_heads, head_dim).
         """
-        return chunk_scores(q, self.tree.kmin, self.tree.kmax)[1]
+        per_head, per_layer = chunk_scores(q, self.tree.kmin, self.tree.kmax)
+        rank = torch.argsort(torch.argsort(per_head, dim=0, descending=True), dim=0)
+        best = rank.min(dim=1).values.float()
+        spread = (per_layer - per_layer.min()) / (per_layer.max() - per_layer.min() + 1e-9)
+        return -best + 0.5 * spread
 
     def chunk_mass(self, token_scores: torch.Tensor) -> torch.Tensor:
         """Sum of ``token_scores`` (shape (>= sealed,)) over each leaf: (m,)."""
@@ -93,19 +102,21 @@ class GroupIndex:
         fits = torch.cumsum(lens[order], 0) <= max(budget_tokens, int(lens[forced].sum()))
         return torch.sort(order[fits | forced[order]]).values
 
-    def adapt(self, token_scores: torch.Tensor, chosen: torch.Tensor, sinks: int, keys_of) -> None:
+    def adapt(self, token_scores: torch.Tensor, chosen: torch.Tensor, sinks: int, keys_of,
+              max_leaf: int) -> None:
         """Fold one step's exact scores into the tree: cold runs merge, concentrated leaves split.
 
         token_scores : Tensor, shape (>= sealed,), attention mass per token (0 where unknown).
         chosen : LongTensor of the leaves fetched this step.
         keys_of : ``(start, end) -> Tensor (kv_heads, end - start, head_dim) | None``, the keys
             of a leaf when they are at hand (a split is skipped otherwise).
+        max_leaf : largest leaf a merge may make (a fraction of the fetch budget).
         """
         scores = token_scores[: self.sealed].clone()
         scores[:sinks] = 0
         selected = torch.zeros(len(self), dtype=torch.bool)
         selected[chosen] = True
-        changes = self.tree.update(self.tree.mass_per_leaf(scores), selected, scores)
+        changes = self.tree.update(self.tree.mass_per_leaf(scores), selected, scores, max_leaf)
         for request in changes.splits:
             keys = keys_of(request.start, request.end)
             if keys is not None:

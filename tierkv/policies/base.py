@@ -81,5 +81,10 @@ class Policy:
         n = cache.get_seq_length()
         return max(0, self.select.tokens(n) - self.select.window)
 
+    def max_leaf(self, cache) -> int:
+        """Largest leaf a merge may make: a quarter of the fetch budget, so merged leaves still
+        compete for it."""
+        return max(2 * self.chunks.min, self.budget(cache) // 4)
+
     def describe(self) -> dict:
         return {"policy": self.name, "lossy": self.lossy}

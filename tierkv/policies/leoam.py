@@ -2,15 +2,25 @@
 import torch
 
 from ..attention import scored_decode_attention
-from .base import keys_lookup, register
+from ..summary import bound_scores
+from .base import register
 from .quest import Quest
+
+
+def _no_keys(start: int, end: int) -> None:
+    return None
 
 
 @register
 class LeoAM(Quest):
     """Like ``quest``, on adaptive chunks: each layer ranks its tree's leaves by their LKA bound,
-    attends exactly over what it fetched, and folds that attention back into the tree (cold runs
-    merge, leaves whose mass concentrates split: IAKM)."""
+    attends exactly over what it fetched, and folds that attention back into the tree: cold runs
+    merge (IAKM), up to a quarter of the budget.
+
+    Leaves do not split here. A split gives the hot leaf's halves tighter, hence lower, bounds,
+    and the hot region then loses the bound ranking to looser cold leaves: measured, it broke
+    pass-key retrieval. ``tierkv`` ranks by exact filter-layer mass and does split.
+    """
 
     name = "leoam"
     adaptive = True
@@ -34,7 +44,28 @@ class LeoAM(Quest):
         if leaves is None:
             return super().attend(cache, layer, q, k, v, positions, scaling)
         out, probs = scored_decode_attention(q, k, v, scaling)
-        scores = torch.zeros(cache.layer_length(layer))
+        index = cache.index_of(layer)
+        scores = self._unfetched_estimate(index, q[:, 0], k, leaves, scaling, cache.layer_length(layer))
         scores[positions] = probs.sum(dim=(0, 1))
-        cache.index_of(layer).adapt(scores, leaves, self.select.sinks, keys_lookup(k, positions))
+        index.adapt(scores, leaves, self.select.sinks, _no_keys, self.max_leaf(cache))
         return out
+
+    @staticmethod
+    def _unfetched_estimate(index, q, k, leaves, scaling, n):
+        """Per-token mass the leaves not fetched could hold at most, from their LKA bounds and
+        the softmax normaliser of what was fetched: a leaf that could matter never looks cold
+        (merges follow evidence, not ignorance). Tensor, shape (n,)."""
+        tree = index.tree
+        kv_heads = k.shape[0]
+        logits = (q.float().view(kv_heads, -1, q.shape[-1]) @ k.float().transpose(1, 2)) * scaling
+        log_z = torch.logsumexp(logits, dim=-1)  # (kv, g)
+        bound = bound_scores(q, tree.kmin, tree.kmax) * scaling  # (m, kv, g)
+        per_token = torch.exp((bound - log_z).clamp(max=0)).sum(dim=(1, 2))  # (m,)
+        scores = torch.zeros(n)
+        sizes = tree.sizes
+        unfetched = torch.ones(len(sizes), dtype=torch.bool)
+        unfetched[leaves] = False
+        token_leaf = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
+        estimate = torch.where(unfetched, per_token, torch.zeros_like(per_token))
+        scores[: tree.n] = estimate[token_leaf]
+        return scores

@@ -81,7 +81,8 @@ class OmniKV(Policy):
         pending = self._to_adapt.pop(g, None)
         if pending is not None and cache.groups[g][0] == layer:
             scores, leaves = pending
-            cache.indexes[g].adapt(scores, leaves, self.select.sinks, keys_lookup(k, positions))
+            cache.indexes[g].adapt(scores, leaves, self.select.sinks, keys_lookup(k, positions),
+                                   self.max_leaf(cache))
 
     def _choose(self, cache, layer, token_mass, positions):
         target = cache.group_of[layer + 1]

@@ -1,0 +1,188 @@
+"""End-to-end decode speed and quality of every policy on SmolLM2 with the KV on disk.
+
+One seeded generated document (8K tokens; 2K with --quick) is prefilled once per case, then
+64 tokens (16 with --quick) are decoded greedily, all cases in one process:
+
+* ``full_memory``: transformers' ``DynamicCache`` (the reference for speed and quality);
+* ``brute_offload``: ``TieredCache`` policy ``full`` with a 1 MB host tier, so all KV is on
+  disk and every layer's KV is read back every step;
+* ``quest``, ``leoam``, ``omnikv``, ``h2o``, ``razor``, ``tierkv``: ``TieredCache`` with the
+  device tier <= 5 % of the KV, the host tier 20 %, the rest on disk, ``SelectConfig(budget=0.1)``.
+
+Each case is fed full_memory's greedy tokens (teacher forcing, so positions align);
+``top1_agreement`` is the share of steps whose argmax equals full_memory's. The page cache of the
+disk tier's segment files is dropped after prefill. When a case raises ``TierFullError`` its
+device budget is doubled (up to the whole KV) and the value used is recorded.
+
+    python -m bench.decode [--quick]   ->  bench/results/decode.json
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from bench.common import drop_page_cache, write_result
+from tierkv import SelectConfig, TierConfig, TieredCache, TierFullError, load_model
+from tierkv.shapes import KVShape
+from tierkv.textgen import make_document
+
+SPARSE = ("quest", "leoam", "omnikv", "h2o", "razor", "tierkv")
+DEVICE_SHARE, HOST_SHARE, SELECT = 0.05, 0.20, 0.1
+BRUTE_HOST = 1_000_000
+
+
+def prompt_ids(tok, tokens: int, seed: int = 0) -> torch.Tensor:
+    """The first ``tokens`` ids of a seeded generated document, shape (1, tokens)."""
+    ids = tok(make_document(tok, tokens + 256, seed), return_tensors="pt")["input_ids"]
+    return ids[:, :tokens]
+
+
+@torch.no_grad()
+def run_decode(model, cache, ids: torch.Tensor, ref: torch.Tensor | None, steps: int, on_prefill=None):
+    """Prefill ``ids``, then ``steps`` decode steps, each fed ``ref[i]`` (or, without ``ref``,
+    its own greedy token). Returns (argmax after prefill and after each step (steps + 1,),
+    seconds per decode step (steps,))."""
+    logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    preds = [logits[0, -1].argmax()]
+    if on_prefill is not None:
+        on_prefill()
+    seconds = []
+    for i in range(steps):
+        token = (ref[i] if ref is not None else preds[-1]).view(1, 1)
+        t0 = time.perf_counter()
+        logits = model(token, past_key_values=cache, use_cache=True).logits
+        preds.append(logits[0, -1].argmax())
+        seconds.append(time.perf_counter() - t0)
+    return torch.stack(preds), seconds
+
+
+def drop_disk(cache: TieredCache) -> None:
+    cache.store.disk.flush()
+    for seg in Path(cache.store.disk.path).glob("seg-*.tkv"):
+        drop_page_cache(seg)
+
+
+def tiered_case(model, ids, ref, steps, policy, device, host, disk_dir: Path) -> dict:
+    """One TieredCache case; doubles the device budget on TierFullError."""
+    kv = KVShape.from_config(model.config, dtype=model.dtype).kv_bytes(ids.shape[1] + steps)
+    retries = []
+    while True:
+        shutil.rmtree(disk_dir, ignore_errors=True)
+        config = TierConfig(device_budget=device, host_budget=host, disk_dir=disk_dir, device="cpu")
+        cache = TieredCache(model, config, policy, select=SelectConfig(budget=SELECT))
+        marks = {}
+
+        def on_prefill():
+            drop_disk(cache)
+            marks.update(stats_marks(cache.stats()))
+        try:
+            preds, seconds = run_decode(model, cache, ids, ref, steps, on_prefill)
+        except TierFullError as err:
+            cache.close()
+            if device >= kv:
+                return {"error": f"TierFullError: {err}", "device_budget_tried": retries + [device]}
+            retries.append(device)
+            device = min(kv, 2 * device)
+            continue
+        stats = cache.stats()
+        cache.close()
+        end = stats_marks(stats)
+        out = case_figures(preds, seconds, ref, steps)
+        out.update({"disk_bytes_per_token": (end["disk"] - marks["disk"]) / steps,
+                    "device_peak_bytes": stats["device_peak_bytes"],
+                    "stall_frac": ratio(end["stall"] - marks["stall"], end["step"] - marks["step"]),
+                    "device_budget": device, "device_budget_raised_from": retries or None,
+                    "host_budget": host, "device_budget_violated": stats["device_peak_bytes"] > device,
+                    "tier_bytes_end": {k: stats.get(f"{k}_bytes") for k in ("device", "host", "disk")}})
+        return out
+
+
+def stats_marks(stats: dict) -> dict:
+    total = stats.get("pipeline_total", {})
+    return {"disk": stats["disk_bytes_read"], "stall": total.get("stall_s", 0.0),
+            "step": total.get("step_s", 0.0)}
+
+
+def ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def case_figures(preds, seconds, ref, steps) -> dict:
+    agree = None if ref is None else (preds[1:] == ref[1:steps + 1]).float().mean().item()
+    return {"ms_per_token": 1e3 * sum(seconds) / len(seconds), "top1_agreement": agree}
+
+
+def full_memory_case(model, ids, steps) -> tuple[dict, torch.Tensor]:
+    preds, seconds = run_decode(model, DynamicCache(), ids, None, steps)
+    out = case_figures(preds, seconds, preds, steps)
+    out.update({"disk_bytes_per_token": 0.0, "device_peak_bytes": None, "stall_frac": None})
+    return out, preds
+
+
+def warm_up(model, tok, root: Path) -> None:
+    ids = prompt_ids(tok, 256, seed=1)
+    run_decode(model, DynamicCache(), ids, None, 2)
+    tiered_case(model, ids, None, 2, "tierkv", 64 << 20, 1 << 20, root / "warm")
+
+
+def print_table(cases: dict) -> None:
+    print(f"{'case':<14} {'ms/tok':>8} {'disk MB/tok':>12} {'dev peak MB':>12} {'stall':>6} {'top1':>6}")
+    for name, c in cases.items():
+        if "error" in c:
+            print(f"{name:<14} error: {c['error'][:60]}")
+            continue
+        peak = c["device_peak_bytes"]
+        stall = c["stall_frac"]
+        print(f"{name:<14} {c['ms_per_token']:8.1f} {c['disk_bytes_per_token'] / 1e6:12.2f} "
+              f"{'-' if peak is None else f'{peak / 1e6:.1f}':>12} "
+              f"{'-' if stall is None else f'{stall:.3f}':>6} {c['top1_agreement']:6.3f}")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2K tokens, 16 decode steps")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    tokens, steps = (2048, 16) if args.quick else (8192, 64)
+    model, tok = load_model("smollm2-135m")
+    ids = prompt_ids(tok, tokens)
+    kv = KVShape.from_config(model.config, dtype=model.dtype).kv_bytes(tokens)
+    device, host = int(DEVICE_SHARE * kv), int(HOST_SHARE * kv)
+    root = Path(tempfile.mkdtemp(prefix="tierkv-bench-decode-"))
+    try:
+        warm_up(model, tok, root)
+        cases = {}
+        cases["full_memory"], ref = full_memory_case(model, ids, steps)
+        cases["brute_offload"] = tiered_case(model, ids, ref, steps, "full", device, BRUTE_HOST,
+                                             root / "brute")
+        for policy in SPARSE:
+            cases[policy] = tiered_case(model, ids, ref, steps, policy, device, host, root / policy)
+            print(f"{policy}: {cases[policy].get('ms_per_token', 'error')} ms/token", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    tk, full, brute = cases["tierkv"], cases["full_memory"], cases["brute_offload"]
+    ok = "error" not in tk
+    result = {"config": {"tokens": tokens, "steps": steps, "model": "smollm2-135m",
+                         "dtype": str(model.dtype), "kv_bytes": kv, "device_budget": device,
+                         "device_budget_frac": DEVICE_SHARE, "host_budget": host,
+                         "host_budget_frac": HOST_SHARE, "brute_host_budget": BRUTE_HOST,
+                         "select_budget": SELECT, "threads": torch.get_num_threads()},
+              "cases": cases,
+              "speedup_vs_full_memory": full["ms_per_token"] / tk["ms_per_token"] if ok else None,
+              "speedup_vs_brute_offload": (brute["ms_per_token"] / tk["ms_per_token"]
+                                           if ok and "error" not in brute else None),
+              "disk_read_frac": tk["disk_bytes_per_token"] / kv if ok else None}
+    print_table(cases)
+    print({k: result[k] for k in ("speedup_vs_full_memory", "speedup_vs_brute_offload", "disk_read_frac")})
+    print(write_result("decode", result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Regenerate the results table of ``bench/README.md`` from every ``bench/results/*.json``.
+
+    python -m bench.report
+
+Each known result file renders as rows of (benchmark, figure, value, what it is); the rows
+replace whatever sits between the two ``RESULTS`` markers of the README. A result file that is
+missing is skipped; one without a renderer is listed by name.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+BEGIN, END = "<!-- RESULTS:BEGIN -->", "<!-- RESULTS:END -->"
+ORDER = ("storage", "selection", "pipeline", "quality", "reopen", "decode", "scale")
+
+
+def fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 1e4 else f"{value:.3e}"
+    return str(value)
+
+
+def storage_rows(d: dict) -> list[tuple]:
+    return [("raw read GB/s", d.get("raw_read_gbps"), "plain file reads, page cache dropped"),
+            ("record read GB/s", d.get("record_read_gbps"), "DiskTier.get_many, same bytes"),
+            ("read ratio", d.get("read_ratio"), "record / raw read speed (target >= 0.8)"),
+            ("write ratio", d.get("write_ratio"), "record / raw write speed")]
+
+
+def selection_rows(d: dict) -> list[tuple]:
+    rows = []
+    for doc, r in d.get("documents", {}).items():
+        adaptive = r.get("cases", {}).get("adaptive", {})
+        rows += [(f"{doc}: adaptive/fixed64 bytes", r.get("adaptive_vs_fixed_bytes"),
+                  "bytes fetched by the adaptive tree / fixed 64-token chunks, same recall"),
+                 (f"{doc}: LKA mass recall", adaptive.get("lka_mass_recall"),
+                  "attention mass inside the LKA-selected chunks")]
+    return rows
+
+
+def pipeline_rows(d: dict) -> list[tuple]:
+    s = d.get("stall", {})
+    rows = [("stall frac", s.get("stall_frac"), "pipelined fetch: share of step time waiting on KV"),
+            ("stall frac, sync", s.get("sync_stall_frac"), "same steps, synchronous fetch"),
+            ("stall frac, no cache", s.get("stall_frac_no_cache"), "pipeline without its device cache")]
+    for case, disks in d.get("codec_choice", {}).items():
+        for disk, r in disks.items():
+            rows.append((f"codec {case} {disk}", r.get("fastest_or_tied"),
+                         f"controller's mix within 10 % of the fastest fixed codec; chose {r.get('chosen')}"))
+    return rows
+
+
+def quality_rows(d: dict) -> list[tuple]:
+    rows = []
+    for policy, budgets in d.get("policies", {}).items():
+        for budget, r in budgets.items():
+            if "error" in r:
+                rows.append((f"{policy} @ {budget}", None, f"error: {r['error'][:60]}"))
+                continue
+            rows.append((f"{policy} @ {budget} top1", r.get("top1_agreement"),
+                         f"passkey {fmt(r.get('passkey_acc'))}, {fmt(r.get('ms_per_token'))} ms/token"))
+    return rows
+
+
+def reopen_rows(d: dict) -> list[tuple]:
+    return [("reopen / prefill", d.get("ratio"), "time to reopen a saved document and answer / re-prefill it"),
+            ("same first token", d.get("same_first_token"), "reopened answer starts like the re-prefilled one")]
+
+
+def decode_rows(d: dict) -> list[tuple]:
+    cfg = d.get("config", {})
+    rows = [("speedup vs full_memory", d.get("speedup_vs_full_memory"), "full_memory ms/token / tierkv ms/token"),
+            ("speedup vs brute_offload", d.get("speedup_vs_brute_offload"), "brute_offload ms/token / tierkv ms/token"),
+            ("tierkv disk read frac", d.get("disk_read_frac"), "disk bytes read per token / whole KV bytes")]
+    for name, c in d.get("cases", {}).items():
+        if "error" in c:
+            rows.append((name, None, f"error: {c['error'][:60]}"))
+            continue
+        rows.append((f"{name} top1", c.get("top1_agreement"),
+                     f"{fmt(c.get('ms_per_token'))} ms/token, {fmt(c.get('disk_bytes_per_token', 0) / 1e6)} "
+                     f"MB disk/token, stall {fmt(c.get('stall_frac'))}"))
+    rows.append(("context", cfg.get("tokens"), f"{cfg.get('steps')} decode steps, device budget "
+                 f"{fmt(cfg.get('device_budget_frac'))} / host {fmt(cfg.get('host_budget_frac'))} of the KV"))
+    return rows
+
+
+def scale_rows(d: dict) -> list[tuple]:
+    rows = []
+    for tokens, r in d.get("sizes", {}).items():
+        rows += [(f"{tokens} tok: step / physical bound", r.get("step_over_physical_bound"),
+                  f"step {fmt(r.get('step_s', 0) * 1e3)} ms vs disk bytes / raw read bandwidth"),
+                 (f"{tokens} tok: brute / step", r.get("brute_over_step"),
+                  "reading every record / the selective step" if r.get("brute_s") else r.get("brute_skipped")),
+                 (f"{tokens} tok: needle recall", r.get("needle_recall"), "planted needle chunks selected")]
+    for tokens, why in d.get("not_run", {}).items():
+        rows.append((f"{tokens} tok", None, f"not run: {why}"))
+    return rows
+
+
+RENDERERS = {"storage": storage_rows, "selection": selection_rows, "pipeline": pipeline_rows,
+             "quality": quality_rows, "reopen": reopen_rows, "decode": decode_rows, "scale": scale_rows}
+
+
+def render(results: dict[str, dict]) -> str:
+    """The markdown table (and machine line) of ``results``: {bench name: parsed JSON}."""
+    lines = ["| benchmark | figure | value | meaning |", "|---|---|---|---|"]
+    names = [n for n in ORDER if n in results] + sorted(set(results) - set(ORDER))
+    for name in names:
+        renderer = RENDERERS.get(name)
+        if renderer is None:
+            lines.append(f"| {name} | - | - | no renderer for this file |")
+            continue
+        for figure, value, meaning in renderer(results[name]):
+            lines.append(f"| {name} | {figure} | {fmt(value)} | {meaning or ''} |")
+    machines = {json.dumps(r.get("machine", {}), sort_keys=True) for r in results.values()}
+    described = "; ".join(describe(json.loads(m)) for m in sorted(machines) if m != "{}")
+    return "\n".join(lines) + (f"\n\nMachine: {described}\n" if described else "\n")
+
+
+def describe(m: dict) -> str:
+    gpu = m.get("gpu") or "no GPU"
+    return f"{m.get('cpus')} CPUs, {gpu}, torch {m.get('torch')}, {m.get('platform')} (run {m.get('when')})"
+
+
+def load(results_dir: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(results_dir.glob("*.json"))}
+
+
+def update_readme(readme: Path, table: str) -> None:
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{readme}: missing the {BEGIN} / {END} markers")
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    readme.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
+
+
+def main() -> None:
+    table = render(load(HERE / "results"))
+    update_readme(HERE / "README.md", table)
+    sys.stdout.write(table)
+
+
+if __name__ == "__main__":
+    main()

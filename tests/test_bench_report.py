@@ -1,0 +1,68 @@
+"""Unit tests of bench/report.py: the results table from small fake JSON."""
+import json
+
+import pytest
+
+from bench.report import BEGIN, END, fmt, load, render, update_readme
+
+MACHINE = {"cpus": 2, "gpu": None, "torch": "2.x", "platform": "Linux", "when": "today"}
+
+
+def fake_results() -> dict:
+    return {
+        "storage": {"machine": MACHINE, "raw_read_gbps": 1.5, "record_read_gbps": 1.2,
+                    "read_ratio": 0.8, "write_ratio": 0.9},
+        "decode": {"machine": MACHINE, "speedup_vs_full_memory": 0.5, "speedup_vs_brute_offload": 3.0,
+                   "disk_read_frac": 0.02, "config": {"tokens": 2048, "steps": 16,
+                                                      "device_budget_frac": 0.05, "host_budget_frac": 0.2},
+                   "cases": {"full_memory": {"ms_per_token": 10.0, "top1_agreement": 1.0,
+                                             "disk_bytes_per_token": 0.0, "stall_frac": None},
+                             "h2o": {"error": "TierFullError: boom"}}},
+        "scale": {"machine": MACHINE, "sizes": {"16384": {"step_over_physical_bound": 1.7, "step_s": 0.2,
+                                                          "brute_over_step": None, "brute_s": None,
+                                                          "brute_skipped": "too big", "needle_recall": 1.0}},
+                  "not_run": {"1048576": "137 GB of KV"}},
+        "mystery": {"machine": MACHINE},
+    }
+
+
+def test_render_rows_and_machine():
+    table = render(fake_results())
+    lines = table.splitlines()
+    assert lines[0] == "| benchmark | figure | value | meaning |"
+    assert "| storage | read ratio | 0.8 |" in table
+    assert "| decode | speedup vs brute_offload | 3 |" in table
+    assert "| decode | h2o | - | error: TierFullError: boom |" in table
+    assert "| scale | 16384 tok: step / physical bound | 1.7 |" in table
+    assert "| scale | 16384 tok: brute / step | - | too big |" in table
+    assert "not run: 137 GB of KV" in table
+    assert "| mystery | - | - | no renderer for this file |" in table
+    assert table.count("Machine: 2 CPUs, no GPU") == 1   # one machine, described once
+
+
+def test_render_orders_benchmarks():
+    table = render(fake_results())
+    first = [line.split("|")[1].strip() for line in table.splitlines()[2:] if line.startswith("| ")]
+    order = list(dict.fromkeys(first))
+    assert order == ["storage", "decode", "scale", "mystery"]
+
+
+def test_fmt():
+    assert fmt(None) == "-" and fmt(True) == "yes" and fmt(0.123456) == "0.123"
+    assert fmt(123456.0) == "1.235e+05" and fmt(7) == "7"
+
+
+def test_update_readme_replaces_between_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{BEGIN}\nold table\n{END}\noutro\n")
+    update_readme(readme, "new table\n")
+    assert readme.read_text() == f"intro\n{BEGIN}\nnew table\n{END}\noutro\n"
+    readme.write_text("no markers")
+    with pytest.raises(ValueError, match="markers"):
+        update_readme(readme, "x")
+
+
+def test_load_reads_every_json(tmp_path):
+    (tmp_path / "storage.json").write_text(json.dumps({"read_ratio": 1.0}))
+    (tmp_path / "notes.txt").write_text("ignored")
+    assert load(tmp_path) == {"storage": {"read_ratio": 1.0}}
