@@ -12,13 +12,14 @@ One seeded generated document (8K tokens; 2K with --quick) is prefilled once per
 Each case is fed full_memory's greedy tokens (teacher forcing, so positions align);
 ``top1_agreement`` is the share of steps whose argmax equals full_memory's. The page cache of the
 disk tier's segment files is dropped after prefill. When a case raises ``TierFullError`` its
-device budget is doubled (up to the whole KV) and the value used is recorded.
+device budget is raised by the shortfall the error names (at least 10 %) and the value used is recorded.
 
     python -m bench.decode [--quick]   ->  bench/results/decode.json
 """
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import tempfile
 import time
@@ -88,7 +89,7 @@ def tiered_case(model, ids, ref, steps, policy, device, host, disk_dir: Path) ->
             if device >= kv:
                 return {"error": f"TierFullError: {err}", "device_budget_tried": retries + [device]}
             retries.append(device)
-            device = min(kv, 2 * device)
+            device = min(kv, raised(device, str(err)))
             continue
         stats = cache.stats()
         cache.close()
@@ -101,6 +102,14 @@ def tiered_case(model, ids, ref, steps, policy, device, host, disk_dir: Path) ->
                     "host_budget": host, "device_budget_violated": stats["device_peak_bytes"] > device,
                     "tier_bytes_end": {k: stats.get(f"{k}_bytes") for k in ("device", "host", "disk")}})
         return out
+
+
+def raised(device: int, message: str) -> int:
+    """The next device budget after a TierFullError: the shortfall it names, at least 10 %
+    more, rounded up to a MiB."""
+    found = re.search(r"needs (\d+) B, (-?\d+) B free", message)
+    short = int(found.group(1)) - int(found.group(2)) if found else 0
+    return -(-max(device + short, int(1.1 * device)) // 2**20) * 2**20
 
 
 def stats_marks(stats: dict) -> dict:

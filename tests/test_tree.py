@@ -186,3 +186,40 @@ def test_bad_construction():
         ChunkTree({"min": 4}, KV, DIM)
     with pytest.raises(ValueError, match="kv_heads"):
         ChunkTree(SMALL, 0, DIM)
+
+
+def _cold_tree(leaves=8, size=16):
+    tree = ChunkTree(ChunkConfig(min=8, base=16, max=512, merge_after=1), 2, 4)
+    gen = torch.Generator().manual_seed(3)
+    for i in range(leaves):
+        tree.append_keys(torch.randn(2, size, 4, generator=gen), record=i)
+    return tree
+
+
+def test_merge_respects_max_size():
+    tree = _cold_tree()
+    mass = torch.zeros(tree.num_leaves)
+    mass[0] = 1.0
+    merged = []
+    for _ in range(12):
+        mass = torch.zeros(tree.num_leaves)
+        mass[0] = 1.0
+        merged += tree.update(mass, torch.zeros(tree.num_leaves, dtype=torch.bool), max_size=40).merged
+    assert merged, "cold leaves should merge"
+    assert int(tree.sizes.max()) <= 40
+    tree.validate()
+
+
+def test_state_round_trip_and_refusal():
+    tree = _cold_tree()
+    mass = torch.zeros(tree.num_leaves)
+    mass[0] = 1.0
+    tree.update(mass, torch.zeros(tree.num_leaves, dtype=torch.bool))
+    state = tree.state()
+    again = ChunkTree(tree.config, 2, 4)
+    again.load_state(state, lambda a, b: (a, b))
+    assert torch.equal(again.bounds, tree.bounds) and torch.equal(again.kmin, tree.kmin)
+    assert [(r.start, r.end) for r in again.records] == [(r.start, r.end) for r in tree.records]
+    bad = dict(state, records=state["records"] + 1)
+    with pytest.raises(ValueError, match="tile"):
+        ChunkTree(tree.config, 2, 4).load_state(bad, lambda a, b: None)

@@ -103,6 +103,7 @@ class TieredCache(Cache):
         self._fresh = [False] * self.shape.layers
         self._step: dict = {}
         self.token_ids = torch.zeros(1, 0, dtype=torch.long)
+        self.snapshot: set | None = None  # disk records of the saved document this cache holds
         self._model = model
         self._install(model)
 
@@ -151,8 +152,9 @@ class TieredCache(Cache):
     def reserve(self, tag: str, nbytes: int) -> None:
         """Account ``nbytes`` of device memory under ``tag``, evicting cached chunks if needed."""
         device = self.store.device
-        if device.budget is not None and device.used - device._reserved.get(tag, 0) + nbytes > device.budget:
-            self.pipeline.cache.make_room(nbytes - device._reserved.get(tag, 0))
+        held = device.reserved_for(tag)
+        if device.budget is not None and device.used - held + nbytes > device.budget:
+            self.pipeline.cache.make_room(nbytes - held)
         device.reserve(tag, nbytes)
 
     def _decode(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -310,6 +312,9 @@ class TieredCache(Cache):
         self._ids_hook.remove()
         self._model = None
         self.pipeline.close()
+        disk = self.store.disk
+        if self.snapshot is not None and disk is not None:
+            disk.remove_many([k for k in disk.keys() if k.doc == self.doc and k not in self.snapshot])
         self.store.close()
 
     def __enter__(self):

@@ -44,6 +44,8 @@ def save(cache, path) -> Path:
                     disk.put(key, cache.store.get(key))
         disk.set_doc_meta(cache.doc, _meta(cache), _arrays(cache))
         disk.flush()
+        if same:
+            cache.snapshot = set(disk.keys())
     finally:
         if not same:
             disk.close()
@@ -74,7 +76,9 @@ def read_meta(path, doc: str | None = None) -> tuple[str, dict, dict]:
     with DiskTier(path) as disk:
         docs = [d for d in disk.docs() if "format" in _meta_or_empty(disk, d)]
         if doc is None:
-            if len(docs) != 1:
+            if not docs:
+                raise ValueError(f"{path} holds no saved document (save one with cache.save)")
+            if len(docs) > 1:
                 raise ValueError(f"{path} holds {len(docs)} saved documents ({', '.join(docs)}): name one")
             doc = docs[0]
         if doc not in docs:
@@ -108,9 +112,13 @@ def open_cache(cls, model, path, config: TierConfig | None = None, policy: str |
                 chunks=_config(ChunkConfig, meta["chunks"]), doc=doc)
     try:
         _restore(cache, meta, arrays)
+    except KeyError as exc:
+        cache.close()
+        raise ValueError(f"saved document {doc!r} in {path} is malformed: no array {exc}") from None
     except Exception:
         cache.close()
         raise
+    cache.snapshot = set(cache.store.disk.keys())
     return cache
 
 

@@ -197,6 +197,10 @@ class Tier(ABC):
     def reserved(self) -> int:
         return sum(self._reserved.values())
 
+    def reserved_for(self, tag: str) -> int:
+        """Bytes currently reserved under ``tag`` (0 when none)."""
+        return self._reserved.get(tag, 0)
+
     def get(self, key: RecordKey) -> KVBlock:
         """The block under ``key``; KeyError when absent."""
         with self._lock:
