@@ -96,6 +96,8 @@ def scale_rows(d: dict) -> list[tuple]:
     for tokens, r in d.get("sizes", {}).items():
         rows += [(f"{tokens} tok: step / physical bound", r.get("step_over_physical_bound"),
                   f"step {fmt(r.get('step_s', 0) * 1e3)} ms vs disk bytes / raw read bandwidth"),
+                 (f"{tokens} tok: fetch / physical bound", r.get("fetch_over_physical_bound"),
+                  "the step's KVStore.fetch time alone (host and disk records) / the same bound"),
                  (f"{tokens} tok: brute / step", r.get("brute_over_step"),
                   "reading every record / the selective step" if r.get("brute_s") else r.get("brute_skipped")),
                  (f"{tokens} tok: needle recall", r.get("needle_recall"), "planted needle chunks selected")]

@@ -104,6 +104,7 @@ class TieredCache(Cache):
         self._step: dict = {}
         self.token_ids = torch.zeros(1, 0, dtype=torch.long)
         self.snapshot: set | None = None  # disk records of the saved document this cache holds
+        self.prefill_blocks = None  # a group's sealed records on the host during a new prompt
         self._model = model
         self._install(model)
 

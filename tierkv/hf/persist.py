@@ -141,7 +141,7 @@ def _restore(cache, meta: dict, arrays: dict) -> None:
     for layer in range(cache.shape.layers):
         k, v = arrays[f"l{layer}.wk"], arrays[f"l{layer}.wv"]
         cache._window[layer] = (k.to(cache.device, cache.shape.dtype), v.to(cache.device, cache.shape.dtype))
-        cache.store.device.reserve(f"window:{layer}", k.nbytes + v.nbytes)
+        cache.reserve(f"window:{layer}", k.nbytes + v.nbytes)
     cache.token_ids = arrays["token_ids"].view(1, -1).long()
     if cache.get_seq_length() != meta["tokens"] or cache.token_ids.shape[1] != meta["tokens"]:
         raise ValueError(f"saved document {cache.doc!r} is inconsistent: {meta['tokens']} tokens "

@@ -24,7 +24,7 @@ def prefill_attention(cache, layer: int, q: torch.Tensor, scaling: float) -> tor
     old_k, old_v = sealed_layer_kv(cache, layer)
     k = torch.cat([old_k, wk], dim=1) if old_k.shape[1] else wk
     v = torch.cat([old_v, wv], dim=1) if old_v.shape[1] else wv
-    cache.store.device.reserve(f"prefill:{layer}", old_k.nbytes + old_v.nbytes)
+    cache.reserve(f"prefill:{layer}", old_k.nbytes + old_v.nbytes)
     try:
         out, mass = causal_attention(q, k, v, scaling, cache.prefill_block,
                                      column_mass=cache.policy.wants_prefill_mass)
@@ -38,20 +38,31 @@ def prefill_attention(cache, layer: int, q: torch.Tensor, scaling: float) -> tor
 def sealed_layer_kv(cache, layer: int):
     """All sealed K and V of one layer, shape (kv_heads, sealed, head_dim) each, on the device.
 
-    Records hold a whole layer group; they are fetched a few at a time so that no more than one
-    layer's KV plus one batch is resident.
+    Records hold a whole layer group: they are read once per forward into host memory (a few
+    at a time) and each layer of the group copies only its own slice to the device, so no more
+    than one layer's KV is on the device and no record is read twice.
     """
-    index, slot = cache.index_of(layer), cache.slot_of[layer]
-    keys = list(index.fetch(None).keys)
-    per_record = max(1, cache.shape.token_bytes(len(cache.groups[cache.group_of[layer]])) * cache.policy.chunk_tokens)
-    step = max(1, FETCH_BATCH_BYTES // per_record)
-    parts_k, parts_v = [], []
-    for i in range(0, len(keys), step):
-        for block in cache.store.fetch(keys[i:i + step], cache.device):
-            parts_k.append(block.keys[slot])
-            parts_v.append(block.values[slot])
-    if not parts_k:
+    g, slot = cache.group_of[layer], cache.slot_of[layer]
+    blocks = _group_blocks(cache, g)
+    if not blocks:
         empty = torch.zeros(cache.shape.kv_heads, 0, cache.shape.head_dim, dtype=cache.shape.dtype,
                             device=cache.device)
         return empty, empty
-    return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
+    k = torch.cat([b.keys[slot] for b in blocks], dim=1).to(cache.device)
+    v = torch.cat([b.values[slot] for b in blocks], dim=1).to(cache.device)
+    if layer == cache.groups[g][-1]:
+        cache.prefill_blocks = None
+    return k, v
+
+
+def _group_blocks(cache, g: int):
+    """The sealed records of group ``g`` on the host, read once per forward."""
+    keys = list(cache.indexes[g].fetch(None).keys)
+    held = cache.prefill_blocks
+    if held is not None and held[0] == (g, tuple(keys)):
+        return held[1]
+    per_record = max(1, cache.shape.token_bytes(len(cache.groups[g])) * cache.policy.chunk_tokens)
+    step = max(1, FETCH_BATCH_BYTES // per_record)
+    blocks = [b for i in range(0, len(keys), step) for b in cache.store.fetch(keys[i:i + step], "cpu")]
+    cache.prefill_blocks = ((g, tuple(keys)), blocks)
+    return blocks
