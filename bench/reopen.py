@@ -27,7 +27,7 @@ import torch
 from bench.common import drop_page_cache, write_result
 from tierkv import TierConfig, TieredCache, load_model
 from tierkv.shapes import KVShape
-from tierkv.textgen import chat_prompt, make_document, passkey_fact
+from tierkv.textgen import document_text, make_document, passkey_fact, question_text
 
 SEED = 3
 DEVICE_SHARE, HOST_SHARE = 0.10, 0.25
@@ -37,12 +37,8 @@ def prompt_ids(tok, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids of the document part and of the question part, each (1, n)."""
     fact = passkey_fact(random.Random(SEED))
     document = make_document(tok, tokens, SEED, [fact])
-    mark = "\x00"
-    full = chat_prompt(tok, document, mark)
-    doc_text = full[:full.index("\n\n" + mark)]
-    turn = chat_prompt(tok, mark, fact.question, fact.answer_prefix)
-    question = turn[turn.index(mark) + 1:]
-    return (tok(doc_text, return_tensors="pt")["input_ids"],
+    question = question_text(tok, fact.question, fact.answer_prefix)
+    return (tok(document_text(tok, document), return_tensors="pt")["input_ids"],
             tok(question, return_tensors="pt", add_special_tokens=False)["input_ids"])
 
 

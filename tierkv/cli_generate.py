@@ -18,10 +18,9 @@ from tqdm import tqdm
 
 from .cli_args import check_new_dir, check_store_dir, read_document
 from .cli_report import TimedStreamer, kv_rows, print_table, run_rows
-from .textgen import chat_prompt
+from .textgen import document_text, question_text
 
 DEFAULT_POLICY = "tierkv"
-_MARK = "\x00"  # stands for the part of the prompt a function leaves out; no document holds it
 
 
 def add_generate_args(parser: argparse.ArgumentParser) -> None:
@@ -156,14 +155,3 @@ def layer_progress(model, desc: str):
             handle.remove()
         bar.close()
 
-
-def document_text(tok, document: str) -> str:
-    """The prompt up to the end of the document (what --save stores)."""
-    full = chat_prompt(tok, document, _MARK)
-    return full[:full.index("\n\n" + _MARK)]
-
-
-def question_text(tok, question: str, answer_prefix: str) -> str:
-    """The question, the end of the user turn and the start of the reply (after a document)."""
-    full = chat_prompt(tok, _MARK, question, answer_prefix)
-    return full[full.index(_MARK) + len(_MARK):]

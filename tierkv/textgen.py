@@ -82,3 +82,19 @@ def question_turn(tokenizer, content: str, answer_prefix: str = "") -> str:
     messages = [{"role": "user", "content": content}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return prompt + answer_prefix
+
+
+_MARK = "\x00"  # stands for the part of the prompt a function leaves out; no document holds it
+
+
+def document_text(tokenizer, document: str, hint: str = "important information") -> str:
+    """The start of ``chat_prompt`` up to the end of the document: what a saved document holds."""
+    full = chat_prompt(tokenizer, document, _MARK, hint=hint)
+    return full[:full.index("\n\n" + _MARK)]
+
+
+def question_text(tokenizer, question: str, answer_prefix: str = "") -> str:
+    """The rest of ``chat_prompt`` after the document: the question, the end of the user turn
+    and the start of the reply."""
+    full = chat_prompt(tokenizer, _MARK, question, answer_prefix)
+    return full[full.index(_MARK) + len(_MARK):]
