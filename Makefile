@@ -26,8 +26,11 @@ test-fast: setup
 demo: setup
 	$(BIN)/python -m tierkv.demo
 
+BENCHES := storage codecs selection pipeline reopen quality decode scale
+
 bench: setup
-	$(BIN)/python -m bench.report --run --quick
+	for b in $(BENCHES); do $(BIN)/python -m bench.$$b --quick || exit 1; done
+	$(BIN)/python -m bench.report
 
 clean:
 	rm -rf $(VENV) build *.egg-info tierkv/_native*.so

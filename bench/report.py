@@ -121,14 +121,18 @@ def render(results: dict[str, dict]) -> str:
             continue
         for figure, value, meaning in renderer(results[name]):
             lines.append(f"| {name} | {figure} | {fmt(value)} | {meaning or ''} |")
-    machines = {json.dumps(r.get("machine", {}), sort_keys=True) for r in results.values()}
-    described = "; ".join(describe(json.loads(m)) for m in sorted(machines) if m != "{}")
+    machines = {}
+    for r in results.values():
+        m = r.get("machine", {})
+        if m:
+            machines.setdefault(describe(m), []).append(m.get("when", "?"))
+    described = "; ".join(f"{d} (runs {min(w)} to {max(w)})" for d, w in sorted(machines.items()))
     return "\n".join(lines) + (f"\n\nMachine: {described}\n" if described else "\n")
 
 
 def describe(m: dict) -> str:
     gpu = m.get("gpu") or "no GPU"
-    return f"{m.get('cpus')} CPUs, {gpu}, torch {m.get('torch')}, {m.get('platform')} (run {m.get('when')})"
+    return f"{m.get('cpus')} CPUs, {gpu}, torch {m.get('torch')}, {m.get('platform')}"
 
 
 def load(results_dir: Path) -> dict[str, dict]:
