@@ -394,3 +394,20 @@ def test_real_disk_corrupt_record_named(tmp_path):
             assert info.value.key == keys[-1]
             ok = pipe.submit(FetchPlan([(0, keys[:3])])).wait(0)
             assert_identical(ok, sync_reference(store, keys[:3]))
+
+
+def test_device_cache_reserve_evicts_cached_records_first():
+    from tierkv.storage.base import TierFullError
+    from tierkv.storage.device import DeviceTier
+
+    tier = DeviceTier(4096, torch.device("cpu"))
+    cache = DeviceCache(tier)
+    block = KVBlock(torch.zeros(1, 1, 8, 16), torch.zeros(1, 1, 8, 16))  # 1 KiB
+    for i in range(3):
+        assert cache.admit(RecordKey("d", 0, 8 * i, 8 * i + 8), block, importance=float(i))
+    cache.reserve("window", 2048)  # needs one eviction: the least important record goes
+    assert tier.used == 4096 and len(cache) == 2
+    assert RecordKey("d", 0, 0, 8) not in cache
+    with pytest.raises(TierFullError):
+        cache.reserve("window", 8192)
+    assert tier.reserved_for("window") == 2048

@@ -152,11 +152,7 @@ class TieredCache(Cache):
     # -- decode -------------------------------------------------------------------------
     def reserve(self, tag: str, nbytes: int) -> None:
         """Account ``nbytes`` of device memory under ``tag``, evicting cached chunks if needed."""
-        device = self.store.device
-        held = device.reserved_for(tag)
-        if device.budget is not None and device.used - held + nbytes > device.budget:
-            self.pipeline.cache.make_room(nbytes - held)
-        device.reserve(tag, nbytes)
+        self.pipeline.cache.reserve(tag, nbytes)
 
     def _decode(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         if layer == 0:

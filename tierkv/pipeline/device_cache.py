@@ -87,16 +87,19 @@ class DeviceCache:
             self._rank[key] = (priority, importance, next(self._clock))
             return True
 
-    def make_room(self, nbytes: int) -> None:
-        """Evict the lowest-ranked cached records until ``nbytes`` are free in the tier (or the
-        cache is empty): the decode working set always comes before cached chunks."""
+    def reserve(self, tag: str, nbytes: int) -> None:
+        """Reserve ``nbytes`` of the tier under ``tag`` (``Tier.reserve``), first evicting the
+        lowest-ranked cached records if that is what it takes: the decode working set comes
+        before cached chunks. Atomic with admissions (same lock), so a worker cannot take the
+        room back in between. TierFullError when even an empty cache leaves too little."""
         with self._lock:
-            if self.tier.budget is None:
-                return
-            for key, _ in sorted(self._rank.items(), key=lambda item: item[1]):
-                if self.tier.budget - self.tier.used >= nbytes:
-                    break
-                self._evict(key)
+            held = self.tier.reserved_for(tag)
+            if self.tier.budget is not None:
+                for key, _ in sorted(self._rank.items(), key=lambda item: item[1]):
+                    if self.tier.budget - self.tier.used + held >= nbytes:
+                        break
+                    self._evict(key)
+            self.tier.reserve(tag, nbytes)
 
     def clear(self) -> None:
         """Evict every record the cache admitted."""
