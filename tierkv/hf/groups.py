@@ -31,6 +31,7 @@ class GroupIndex:
     def __init__(self, doc: str, group: int, kv_heads: int, head_dim: int, chunks: ChunkConfig):
         self.doc, self.group = doc, group
         self.tree = ChunkTree(chunks, kv_heads, head_dim)
+        self._all: Fetch | None = None  # fetch(None), kept until the records change
 
     def __len__(self) -> int:
         return self.tree.num_leaves
@@ -59,11 +60,19 @@ class GroupIndex:
         new = [RecordKey(self.doc, self.group, s, e) for s, e in bounds]
         for i, (key, (s, e)) in enumerate(zip(new, bounds)):
             self.tree.append(s, e, kmin[i], kmax[i], key)
+        self._all = None
         return new
 
     def fetch(self, leaves: torch.Tensor | None) -> Fetch:
         """The records holding ``leaves`` (all when None) and the token positions they cover."""
-        records = self.tree.records if leaves is None else self.tree.records_for(leaves)
+        if leaves is None:
+            if self._all is None:
+                self._all = self._fetch(self.tree.records)
+            return self._all
+        return self._fetch(self.tree.records_for(leaves))
+
+    @staticmethod
+    def _fetch(records) -> Fetch:
         if not records:
             return Fetch((), torch.zeros(0, dtype=torch.long))
         starts = torch.tensor([r.start for r in records])
@@ -136,6 +145,7 @@ class GroupIndex:
                 store.put(key, KVBlock(keys[:, :, a - base:b - base].clone(), values[:, :, a - base:b - base].clone()))
                 new.append(key)
             self.tree.commit_rewrite(rewrite, new)
+            self._all = None
             for key in set(old) - set(new):
                 store.remove(key)
             written += len(new)
@@ -146,3 +156,4 @@ class GroupIndex:
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         self.tree.load_state(state, lambda a, b: RecordKey(self.doc, self.group, a, b))
+        self._all = None

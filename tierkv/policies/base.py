@@ -85,6 +85,3 @@ class Policy:
         """Largest leaf a merge may make: a quarter of the fetch budget, so merged leaves still
         compete for it."""
         return max(2 * self.chunks.min, self.budget(cache) // 4)
-
-    def describe(self) -> dict:
-        return {"policy": self.name, "lossy": self.lossy}
