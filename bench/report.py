@@ -52,8 +52,10 @@ def pipeline_rows(d: dict) -> list[tuple]:
             ("stall frac, no cache", s.get("stall_frac_no_cache"), "pipeline without its device cache")]
     for case, disks in d.get("codec_choice", {}).items():
         for disk, r in disks.items():
+            tolerance = round(100 * r.get("tolerance", 0.1))
             rows.append((f"codec {case} {disk}", r.get("fastest_or_tied"),
-                         f"controller's mix within 10 % of the fastest fixed codec; chose {r.get('chosen')}"))
+                         f"controller's mix within {tolerance} % of the fastest fixed codec the "
+                         f"quality floor allows; chose {r.get('chosen')}"))
     return rows
 
 

@@ -1,4 +1,5 @@
-"""CompressionController and ThrottledDisk: choices follow the measured bandwidths."""
+"""CompressionController and ThrottledDisk: choices follow the measured bandwidths, and a
+KVStore writes each disk record with the codec its controller chooses."""
 from __future__ import annotations
 
 import time
@@ -7,8 +8,10 @@ import pytest
 import torch
 
 from test_pipeline import FakeStore
-from tierkv.config import CodecConfig
+from tierkv.config import CodecConfig, TierConfig
 from tierkv.pipeline import CompressionController, FetchPlan, Pipeline, ThrottledDisk
+from tierkv.shapes import KVShape
+from tierkv.storage import KVStore
 from tierkv.storage.base import KVBlock, RecordKey
 
 MB = 1e6
@@ -127,3 +130,160 @@ def test_controller_chooses_differently_on_throttled_and_fast_disk():
     assert slow.state()["disk_bw"] < 150 * MB < fast.state()["disk_bw"]
     assert slow.choose(1 << 20) == "zstd"
     assert fast.choose(1 << 20) == "raw"
+
+
+# -- KVStore asks the controller for the codec of each disk write ----------------------------
+SHAPE = KVShape(layers=2, kv_heads=2, head_dim=8)
+RATES = dict(decode_bw={"raw": 5000 * MB, "zstd": 800 * MB, "int8": 900 * MB, "int4": 900 * MB},
+             ratio={"raw": 1.0, "zstd": 0.6, "int8": 0.55, "int4": 0.3})
+IMPORTANCE = {0: 5.0, 1: 6.0, 2: 0.1, 3: 0.2}   # put in this order: 0, 1 hot; 2, 3 cold
+
+
+def _store(tmp_path, codec=CodecConfig(allow_lossy=True), controller=None, host=0, shape=SHAPE):
+    """A store whose records go straight to disk (host budget 0), judged as they arrive."""
+    config = TierConfig(device_budget="1MB", host_budget=host, disk_dir=tmp_path / "kv",
+                        device="cpu", codec=codec)
+    return KVStore(shape, config, controller=controller)
+
+
+def _key(i):
+    return RecordKey("doc", 0, 16 * i, 16 * i + 16)
+
+
+def _put_ranked(store, make_block):
+    for i, importance in IMPORTANCE.items():
+        store.put(_key(i), make_block(_key(i)), importance=importance)
+    return [store.disk.codec_of(_key(i)) for i in IMPORTANCE]
+
+
+def test_store_writes_cold_records_lossy_hot_lossless_on_a_slow_disk(tmp_path, make_block,
+                                                                      blocks_equal):
+    ctl = CompressionController.from_config(CodecConfig(allow_lossy=True), disk_bw=200 * MB,
+                                            **RATES)
+    with _store(tmp_path, controller=ctl) as store:
+        assert _put_ranked(store, make_block) == ["zstd", "zstd", "int4", "int4"]
+        for i in (0, 1):
+            assert blocks_equal(store.get(_key(i)), make_block(_key(i)))
+        for i in (2, 3):
+            got, want = store.get(_key(i)), make_block(_key(i))
+            assert not torch.equal(got.keys, want.keys)
+            assert torch.allclose(got.keys, want.keys, atol=0.5)
+            assert torch.allclose(got.values, want.values, atol=0.5)
+
+
+def test_put_many_judges_coldness_against_the_whole_batch(tmp_path, make_block):
+    ctl = CompressionController.from_config(CodecConfig(allow_lossy=True), disk_bw=200 * MB,
+                                            **RATES)
+    rising = {_key(i): importance for i, importance in enumerate([0.1, 0.2, 5.0, 6.0])}
+    with _store(tmp_path, controller=ctl) as store:
+        for key, importance in rising.items():   # each the hottest so far when it is written
+            store.put(key, make_block(key), importance=importance)
+        assert {store.disk.codec_of(k) for k in rising} == {"zstd"}
+    with _store(tmp_path / "batch", controller=ctl) as store:
+        store.put_many({k: make_block(k) for k in rising}, rising)
+        assert [store.disk.codec_of(k) for k in rising] == ["int4", "int4", "zstd", "zstd"]
+        with pytest.raises(ValueError, match="mappings"):
+            store.put_many([(_key(0), make_block(_key(0)))])
+
+
+def test_store_writes_raw_on_a_fast_disk(tmp_path, make_block, blocks_equal):
+    ctl = CompressionController.from_config(CodecConfig(allow_lossy=True), disk_bw=5000 * MB,
+                                            **RATES)
+    with _store(tmp_path, controller=ctl) as store:
+        assert _put_ranked(store, make_block) == ["raw"] * 4
+        assert all(blocks_equal(store.get(_key(i)), make_block(_key(i))) for i in IMPORTANCE)
+
+
+@pytest.mark.parametrize("disk_bw, codec", [(200 * MB, "zstd"), (5000 * MB, "raw")])
+def test_store_keeps_every_record_lossless_unless_lossy_is_allowed(tmp_path, make_block,
+                                                                   disk_bw, codec):
+    ctl = CompressionController.from_config(CodecConfig(), disk_bw=disk_bw, **RATES)
+    with _store(tmp_path, codec=CodecConfig(), controller=ctl) as store:
+        assert _put_ranked(store, make_block) == [codec] * 4
+
+
+def test_store_honours_a_fixed_codec(tmp_path, make_block, blocks_equal):
+    fast = CompressionController(("raw", "zstd"), disk_bw=5000 * MB, **RATES)
+    with _store(tmp_path, codec=CodecConfig("zstd"), controller=fast) as store:
+        assert _put_ranked(store, make_block) == ["zstd"] * 4
+    slow = CompressionController.from_config(CodecConfig(allow_lossy=True), disk_bw=200 * MB,
+                                             **RATES)
+    with _store(tmp_path / "put", controller=slow) as store:
+        store.put(_key(0), make_block(_key(0)), importance=-1.0, codec="raw")  # coldest, fixed
+        assert store.disk.codec_of(_key(0)) == "raw"
+        assert blocks_equal(store.get(_key(0)), make_block(_key(0)))
+
+
+def test_spill_from_the_host_asks_the_controller(tmp_path, make_block):
+    ctl = CompressionController.from_config(CodecConfig(allow_lossy=True), disk_bw=200 * MB,
+                                            **RATES)
+    nbytes = make_block(_key(0)).nbytes
+    with _store(tmp_path, controller=ctl, host=2 * nbytes) as store:
+        for i in (0, 1, 2):   # importance 5, 6, 0.1: the third put spills the coldest host
+            store.put(_key(i), make_block(_key(i)), importance=IMPORTANCE[i])   # record: 0,
+        assert store.where(_key(0)) == "disk" and store.where(_key(2)) == "host"  # not cold
+        assert store.disk.codec_of(_key(0)) == "zstd"
+        store.set_importance(_key(1), 0.05)                   # now the coldest of three
+        store.put(_key(3), make_block(_key(3)), importance=9.0)
+        assert store.where(_key(1)) == "disk" and store.disk.codec_of(_key(1)) == "int4"
+
+
+def test_unmeasured_disk_leaves_the_default_and_unknown_codecs_are_calibrated(tmp_path,
+                                                                            make_block):
+    ctl = CompressionController.from_config(CodecConfig(allow_lossy=True))
+    with _store(tmp_path, controller=ctl) as store:
+        store.put(_key(0), make_block(_key(0)))
+        assert store.disk.codec_of(_key(0)) == "zstd"        # the disk tier's "auto"
+        assert ctl.state()["ratio"]["int4"] is None          # nothing asked of the codecs yet
+        ctl.observe_read(10**8, 1.0)
+        store.put(_key(1), make_block(_key(1)))
+        assert all(v is not None for v in ctl.state()["ratio"].values())
+        assert store.disk.codec_of(_key(1)) == ctl.choose(make_block(_key(1)).nbytes)
+
+
+def test_pipeline_measurements_reach_the_stores_writes(tmp_path):
+    shape = KVShape(layers=2, kv_heads=2, head_dim=64, dtype=torch.float16)
+    keys = [RecordKey("doc", 0, i * 2048, (i + 1) * 2048) for i in range(4)]   # 1 MB each
+    ctl = CompressionController.from_config(CodecConfig())
+    with _store(tmp_path, codec=CodecConfig(), controller=ctl, shape=shape) as store:
+        blocks = {key: _random(shape, key) for key in keys}
+        for key in keys[:3]:
+            store.put(key, blocks[key])
+        assert {store.disk.codec_of(k) for k in keys[:3]} == {"zstd"}   # nothing measured yet
+        with Pipeline(store, "cpu") as pipe:                          # the store's controller
+            pipe.submit(FetchPlan([(0, keys[:3])])).wait(0)
+        state = ctl.state()
+        assert state["disk_bw"] is not None and state["ratio"]["raw"] is None   # zstd read only
+        store.put(keys[3], blocks[keys[3]])
+        assert ctl.state()["ratio"]["raw"] is not None     # calibrated by the write, then asked
+        assert store.disk.codec_of(keys[3]) == ctl.choose(blocks[keys[3]].nbytes)
+
+
+def _random(shape, key):
+    g = torch.Generator().manual_seed(key.start)
+    size = (shape.layers, shape.kv_heads, key.tokens, shape.head_dim)
+    return KVBlock(torch.randn(size, generator=g).half(), torch.randn(size, generator=g).half())
+
+
+def test_store_rejects_bad_controllers_and_inputs(tmp_path, make_block):
+    lossy = CompressionController.from_config(CodecConfig(allow_lossy=True))
+    with pytest.raises(ValueError, match="allow_lossy"):
+        _store(tmp_path, codec=CodecConfig(), controller=lossy)
+    with pytest.raises(ValueError, match="CompressionController"):
+        _store(tmp_path, controller=object())
+    with pytest.raises(ValueError, match="cold_fraction"):
+        CodecConfig(cold_fraction=1.5)
+    with pytest.raises(ValueError, match="config"):
+        CompressionController(config="zstd")
+    with pytest.raises(ValueError, match="block"):
+        lossy.choose_for("not a block")
+    with pytest.raises(ValueError, match="codecs"):
+        CompressionController().calibrate(make_block(_key(0)), codecs=("int4",))
+    with _store(tmp_path, codec=CodecConfig()) as store:
+        with pytest.raises(ValueError, match="importance"):
+            store.put(_key(0), make_block(_key(0)), importance=float("nan"))
+        with pytest.raises(ValueError, match="lz4"):
+            store.put(_key(0), make_block(_key(0)), codec="lz4")
+        with pytest.raises(ValueError, match="lossy"):
+            store.put(_key(0), make_block(_key(0)), codec="int8")
+        assert store.where(_key(0)) is None

@@ -39,6 +39,32 @@ def test_every_codec_round_trips_through_disk(tmp_path, make_block, blocks_equal
         assert (got.keys.float() - block.keys.float()).abs().max() < tol
 
 
+def test_clean_directory_opens_from_headers_and_reads_still_check_crcs(tmp_path, make_block):
+    keys = [_key(start=16 * i, end=16 * i + 16) for i in range(8)]
+    with DiskTier(tmp_path) as tier:
+        for key in keys:
+            tier.put(key, make_block(key))
+    segment = next(tmp_path.glob("seg-*.tkv"))
+    data = bytearray(segment.read_bytes())
+    data[HEADER.size + 5] ^= 0x10  # the first record's payload
+    segment.write_bytes(bytes(data))
+    with DiskTier(tmp_path) as tier:
+        assert tier.open_report["checked"].startswith("headers") and len(tier) == 8
+        with pytest.raises(CorruptRecordError):
+            tier.get(keys[0])
+        assert tier.get(keys[1]) is not None
+
+
+def test_records_the_manifest_does_not_list_are_checked_in_full(tmp_path, make_block):
+    with DiskTier(tmp_path) as tier:
+        tier.put(_key(), make_block(_key()))
+    writer = DiskTier(tmp_path)
+    writer.put(_key(start=16, end=32), make_block(_key(start=16, end=32)))  # no manifest update
+    with DiskTier(tmp_path) as tier:
+        assert tier.open_report["checked"] == "every record" and len(tier) == 2
+    writer.close()
+
+
 def test_lossy_codec_needs_allow_lossy(tmp_path, make_block):
     with DiskTier(tmp_path) as tier, pytest.raises(ValueError, match="lossy"):
         tier.put(_key(), make_block(_key()), codec="int4")

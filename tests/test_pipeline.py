@@ -78,6 +78,10 @@ class FakeStore:
         self.device = DictTier("device", device_budget)
         self.host = DictTier("host", None)
         self.disk = FakeDisk()
+        self.controller = None
+
+    def promote(self, key, block, importance):
+        return False
 
     def where(self, key):
         for name in ("device", "host"):

@@ -9,6 +9,7 @@ import torch
 from tierkv.config import CodecConfig, TierConfig
 from tierkv.shapes import KVShape
 from tierkv.storage import KVStore, RecordKey, TierFullError
+from tierkv.storage.ranking import Ranking
 
 SHAPE = KVShape(layers=2, kv_heads=2, head_dim=8)
 BLOCK = 2 * 2 * 2 * 16 * 8 * 4  # bytes of a 16-token block
@@ -37,6 +38,28 @@ def test_coldest_spill_first(tmp_path, make_block, blocks_equal):
         stats = store.stats()
         assert stats["host_records"] == 4 and stats["disk_records"] == 2
         assert stats["disk_bytes_written"] > 0 and stats["host_bytes"] <= 4 * BLOCK
+
+
+def test_promote_keeps_hot_disk_records_on_host_without_rewriting_them(tmp_path, make_block,
+                                                                        blocks_equal):
+    with _store(tmp_path, codec=CodecConfig(codec="raw")) as store:
+        for i, imp in enumerate([5.0, 1.0, 3.0, 0.5, 9.0, 9.0]):
+            store.put(_key(i), make_block(_key(i)), importance=imp)
+        assert store.where(_key(3)) == "disk" and store.where(_key(1)) == "disk"
+        written = store.stats()["disk_bytes_written"]
+        assert store.promote(_key(3), store.get(_key(3)), importance=4.0)  # evicts key 2 (3.0)
+        assert store.where(_key(3)) == "host" and store.where(_key(2)) == "disk"
+        assert not store.promote(_key(1), store.get(_key(1)), importance=2.0)  # all hotter
+        assert store.where(_key(1)) == "disk"
+        assert store.promote(_key(1), store.get(_key(1)), importance=6.0)  # evicts key 3: clean
+        assert store.where(_key(3)) == "disk"
+        assert store.stats()["disk_bytes_written"] == written * 3 // 2  # key 2 only (1 + 3 before)
+        store.put(_key(1), make_block(_key(7)), importance=0.0)  # new data: no longer clean
+        store.put(_key(8), make_block(_key(8)), importance=9.0)
+        assert store.where(_key(1)) == "disk"
+        assert blocks_equal(store.get(_key(1)), make_block(_key(7)))
+        assert all(blocks_equal(store.get(_key(i)), make_block(_key(i))) for i in (0, 2, 3, 4, 5))
+        assert store.stats()["host_bytes"] <= 4 * BLOCK
 
 
 def test_ties_spill_oldest(tmp_path, make_block):
@@ -129,3 +152,20 @@ def test_shape_validation(tmp_path, make_block):
                 store.put(_key(0), make_block(_key(0), **bad))
         with pytest.raises(ValueError, match="tokens"):
             store.put(_key(0), make_block(RecordKey("x", 0, 0, 3)))
+
+
+def test_ranking_cold_share_counts_ties_as_hot():
+    ranks = Ranking()
+    keys = [_key(i) for i in range(4)]
+    for key in keys:
+        ranks.set(key, 0.0)
+    assert not any(ranks.is_cold(k, 0.5) for k in keys)      # nobody ranked them: none cold
+    assert all(ranks.is_cold(k, 1.0) for k in keys)
+    for key, importance in zip(keys, [3.0, 0.5, 2.0, 1.0]):
+        ranks.set(key, importance)
+    assert [ranks.is_cold(k, 0.5) for k in keys] == [False, True, False, True]
+    assert not any(ranks.is_cold(k, 0.0) for k in keys)
+    ranks.discard(keys[1])                                     # 1.0 is now the lowest of three
+    assert [ranks.is_cold(k, 0.5) for k in keys] == [False, False, False, True]
+    assert ranks.coldest(set(keys), exclude=keys[3]) == keys[2]
+    assert ranks.coldest(set(), exclude=keys[3]) is None

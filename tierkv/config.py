@@ -59,13 +59,17 @@ class CodecConfig:
     """How records are encoded on disk.
 
     ``codec="auto"`` lets the compression controller choose per record from measured bandwidths,
-    within ``allow_lossy``; a named codec fixes it.
+    within ``allow_lossy``; a named codec fixes it. With ``allow_lossy`` the controller may give
+    a lossy codec to cold records only: the ``cold_fraction`` least important of the records a
+    store holds. Ties count as hot: when every record has the same importance (nobody ranked
+    them), none is cold unless ``cold_fraction`` is 1.
     """
 
     codec: str = "auto"
     zstd_level: int = 3
     allow_lossy: bool = False
     group_size: int = 64
+    cold_fraction: float = 0.5
 
     def __post_init__(self):
         allowed = ("auto",) + CODECS
@@ -75,6 +79,7 @@ class CodecConfig:
             raise ValueError(f"codec={self.codec!r} is lossy: set allow_lossy=True to use it")
         _check_range("zstd_level", self.zstd_level, 1, 22)
         _check_range("group_size", self.group_size, 8, 4096)
+        _check_range("cold_fraction", self.cold_fraction, 0.0, 1.0, float)
         if self.group_size % 2:
             raise ValueError(f"group_size={self.group_size}: must be even (int4 packs pairs)")
 

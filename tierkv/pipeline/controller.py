@@ -7,6 +7,10 @@ combined by ``max`` instead of ``+``: when the pipeline keeps reads of one group
 another group decodes, the slower stage alone sets the pace. Every rate is an exponential moving
 average of what the pipeline measures, and can be seeded by ``calibrate`` / ``calibrate_disk`` or
 given outright (tests, benchmarks).
+
+A ``KVStore`` given a controller asks ``choose_for`` for the codec of every record it writes to
+disk; a ``Pipeline`` over that store feeds the same controller what it measures, so later writes
+(spills, rewrites) follow the disk the reads ran on.
 """
 from __future__ import annotations
 
@@ -50,16 +54,20 @@ class CompressionController:
     margin : a candidate replaces an earlier one (earlier = cheaper to decode, less lossy:
         raw, zstd, int8, int4) only when expected faster by more than this fraction, so that
         measurement noise does not flip choices that gain nothing.
+    config : zstd level and group size of the codecs it calibrates (default ``CodecConfig()``).
     """
 
     def __init__(self, candidates: tuple[str, ...] = ("raw", "zstd"), *, alpha: float = 0.3,
                  disk_bw: float | None = None, decode_bw: Mapping[str, float] | None = None,
                  ratio: Mapping[str, float] | None = None, copy_bw: float | None = None,
-                 pipelined: bool = False, margin: float = 0.1):
+                 pipelined: bool = False, margin: float = 0.1, config: CodecConfig | None = None):
         candidates = tuple(candidates)
         if not candidates or any(c not in CODECS for c in candidates):
             raise ValueError(f"candidates={candidates!r}: must be a non-empty subset of "
                              f"{', '.join(CODECS)}")
+        if config is not None and not isinstance(config, CodecConfig):
+            raise ValueError(f"config={config!r}: expected a CodecConfig")
+        self.config = config or CodecConfig()
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
             raise ValueError(f"alpha={alpha!r}: must be in (0, 1]")
         self.candidates = candidates
@@ -77,8 +85,8 @@ class CompressionController:
 
     @classmethod
     def from_config(cls, config: CodecConfig, **kwargs) -> "CompressionController":
-        """A controller over ``config.candidates``."""
-        return cls(config.candidates, **kwargs)
+        """A controller over ``config.candidates``, calibrating with ``config``'s settings."""
+        return cls(config.candidates, config=config, **kwargs)
 
     # -- measurements -------------------------------------------------------------------
     def observe_read(self, stored_bytes: int, seconds: float) -> None:
@@ -101,10 +109,14 @@ class CompressionController:
                 self._copy.update(raw_bytes / seconds)
 
     def calibrate(self, sample: KVBlock, config: CodecConfig | None = None,
-                  repeat: int = 3) -> None:
-        """Seed ratio and decode speed of every candidate from ``sample`` (CPU tensors)."""
-        for name in self.candidates:
-            codec = make_codec(name, config)
+                  repeat: int = 3, codecs: tuple[str, ...] | None = None) -> None:
+        """Seed ratio and decode speed of ``codecs`` (default: every candidate) from ``sample``
+        (CPU tensors), encoded with ``config`` (default: the controller's)."""
+        codecs = self.candidates if codecs is None else tuple(codecs)
+        if any(c not in self.candidates for c in codecs):
+            raise ValueError(f"codecs={codecs!r}: must be among the candidates {self.candidates}")
+        for name in codecs:
+            codec = make_codec(name, config or self.config)
             payload = encode_block(codec, sample)
             best = float("inf")
             for _ in range(repeat):
@@ -160,6 +172,24 @@ class CompressionController:
             if seconds < best_time * (1 - self.margin):
                 best, best_time = codec, seconds
         return best
+
+    def choose_for(self, block: KVBlock, cold: bool = False) -> str | None:
+        """The codec to write ``block`` with (``choose`` for its size), or None while the disk
+        bandwidth is unknown: with nothing to weigh a codec against, the writer's default stands.
+
+        Candidates with no ratio or decode speed yet are first calibrated on ``block``: a codec
+        no record was ever read with would otherwise never be chosen, hence never measured.
+        """
+        if not isinstance(block, KVBlock):
+            raise ValueError(f"block={block!r}: expected a KVBlock")
+        with self._lock:
+            if self._disk.value is None:
+                return None
+            unknown = tuple(c for c in self.candidates
+                            if self._ratio[c].value is None or self._decode[c].value is None)
+        if unknown:
+            self.calibrate(block.to("cpu"), codecs=unknown)
+        return self.choose(block.nbytes, cold)
 
     def state(self) -> dict:
         """The current estimates (bytes/s and ratios), for reports."""

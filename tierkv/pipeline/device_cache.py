@@ -94,9 +94,10 @@ class DeviceCache:
         room back in between. TierFullError when even an empty cache leaves too little."""
         with self._lock:
             held = self.tier.reserved_for(tag)
-            if self.tier.budget is not None:
+            budget = self.tier.budget
+            if budget is not None and budget - self.tier.used + held < nbytes:
                 for key, _ in sorted(self._rank.items(), key=lambda item: item[1]):
-                    if self.tier.budget - self.tier.used + held >= nbytes:
+                    if budget - self.tier.used + held >= nbytes:
                         break
                     self._evict(key)
             self.tier.reserve(tag, nbytes)

@@ -82,11 +82,13 @@ class Pipeline:
 
     Parameters
     ----------
-    store : KVStore, its ``device``, ``host`` and ``disk`` tiers, ``where`` and ``shape``.
+    store : KVStore, its ``device``, ``host`` and ``disk`` tiers, ``where``, ``shape`` and
+        ``controller``.
     device : torch.device the blocks are delivered on.
     threads : worker threads; each fetches one group at a time, in plan order.
     metrics : Metrics to record into (a new one when None), readable as ``pipeline.metrics``.
-    controller : CompressionController fed with the measured read and decode speeds.
+    controller : CompressionController fed with the measured read and decode speeds; default:
+        the store's own (``store.controller``, the one that chooses its disk codecs), if any.
     disk : the disk tier to read from instead of ``store.disk`` (e.g. a ThrottledDisk).
     groups : number of layer groups plans may name; default ``store.shape.layers``.
     """
@@ -103,6 +105,7 @@ class Pipeline:
         self.metrics = metrics if metrics is not None else Metrics()
         self.transfer = Transfer(torch.device(device), buffers=threads)
         self.cache = DeviceCache(store.device)
+        controller = controller if controller is not None else store.controller
         self._fetcher = GroupFetcher(store, disk if disk is not None else store.disk, self.cache,
                                      self.transfer, self.metrics, controller)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tierkv-fetch")

@@ -51,7 +51,7 @@ class GroupFetcher:
             _raise_if(stopped)
             copy_start = time.perf_counter()
             delivery = self.transfer.assemble(
-                parts, ready, lambda block: self._admit(group, parts, on_disk, block))
+                parts, ready, lambda block: self._admit(group, parts, on_disk, block), group.spare)
             copy_s = time.perf_counter() - copy_start
             self.metrics.record_stage("copy", copy_s)
             if self.controller is not None:
@@ -100,6 +100,7 @@ class GroupFetcher:
             if raw.key != group.keys[i]:
                 raise FetchError(group.group, group.keys[i], f"disk returned {raw.key} instead")
             parts[i] = self._decode(group.group, group.keys[i], raw)
+            self.store.promote(group.keys[i], parts[i], group.importance[i])
 
     def _read(self, group: int, keys: list[RecordKey]) -> list:
         start = time.perf_counter()

@@ -13,12 +13,14 @@ class GroupFetch:
 
     ``importance`` holds one value per key (higher = hotter); it drives the device cache.
     ``position`` is the group's index in its plan (0: fetched first, with nothing to overlap).
+    ``spare`` tokens of uninitialised room follow the records in the delivered block.
     """
 
     group: int
     keys: tuple[RecordKey, ...]
     importance: tuple[float, ...]
     position: int
+    spare: int = 0
 
 
 class FetchPlan:
@@ -36,11 +38,15 @@ class FetchPlan:
     groups : iterable of (group, sequence of RecordKey)
     importance : optional mapping RecordKey -> float; keys not in it get ``default_importance``.
     default_importance : float, importance of keys without a value.
+    spare : tokens of room left after each group's records in its delivered block, for the
+        consumer to append its recent window without copying the fetched tokens again.
     """
 
     def __init__(self, groups: Iterable[tuple[int, Sequence[RecordKey]]],
                  importance: Mapping[RecordKey, float] | None = None,
-                 default_importance: float = 0.0):
+                 default_importance: float = 0.0, spare: int = 0):
+        if isinstance(spare, bool) or not isinstance(spare, int) or spare < 0:
+            raise ValueError(f"FetchPlan: spare={spare!r} must be a non-negative integer")
         importance = dict(importance or {})
         self._groups: list[GroupFetch] = []
         seen: set[int] = set()
@@ -51,7 +57,7 @@ class FetchPlan:
             seen.add(group)
             unique = _dedupe(group, keys)
             weights = tuple(float(importance.get(k, default_importance)) for k in unique)
-            self._groups.append(GroupFetch(group, unique, weights, len(self._groups)))
+            self._groups.append(GroupFetch(group, unique, weights, len(self._groups), spare))
 
     @property
     def groups(self) -> tuple[GroupFetch, ...]:

@@ -79,18 +79,22 @@ class Transfer:
         return event
 
     def assemble(self, parts: list[KVBlock], after: "torch.cuda.Event | None",
-                 then: Callable[[KVBlock], None]) -> Delivery:
-        """One block of every part's tokens, in order; keys/values (layers, heads, sum, dim).
+                 then: Callable[[KVBlock], None], spare: int = 0) -> Delivery:
+        """One block of every part's tokens, in order, then ``spare`` uninitialised tokens;
+        keys/values (layers, heads, sum + spare, dim).
 
         ``then(block)`` runs once the block is assembled, on the side stream on CUDA (before
         the group's event), so device work it enqueues is ordered before the consumer's use.
         """
         if not self.cuda:
-            block = KVBlock(torch.cat([p.keys for p in parts], dim=2),
-                            torch.cat([p.values for p in parts], dim=2))
+            if not spare:
+                block = KVBlock(torch.cat([p.keys for p in parts], dim=2),
+                                torch.cat([p.values for p in parts], dim=2))
+            else:
+                block = _packed(parts, spare, torch.device("cpu"))
             then(block)
             return Delivery(block)
-        return self._assemble_cuda(parts, after, then)
+        return self._assemble_cuda(parts, after, then, spare)
 
     def deliver(self, delivery: Delivery) -> KVBlock:
         """The block, safe to use on the caller's current stream."""
@@ -106,11 +110,11 @@ class Transfer:
         if self._pool is not None:
             self._pool.clear()
 
-    def _assemble_cuda(self, parts: list[KVBlock], after, then) -> Delivery:
+    def _assemble_cuda(self, parts: list[KVBlock], after, then, spare: int) -> Delivery:
         layers, heads, _, dim = parts[0].keys.shape
         dtype = parts[0].keys.dtype
         offsets = _offsets(parts)
-        shape = (2, layers, heads, offsets[-1], dim)
+        shape = (2, layers, heads, offsets[-1] + spare, dim)
         on_host = {i for i, p in enumerate(parts) if p.keys.device.type == "cpu"}
         staging = None
         with torch.cuda.stream(self._stream):
@@ -135,6 +139,17 @@ class Transfer:
             event.synchronize()  # the pinned buffer is reusable once the copy has landed
             self._pool.give(staging)
         return Delivery(block, event)
+
+
+def _packed(parts: list[KVBlock], spare: int, device: torch.device) -> KVBlock:
+    """The parts copied one after another into a block with ``spare`` tokens of room."""
+    layers, heads, _, dim = parts[0].keys.shape
+    offsets = _offsets(parts)
+    out = torch.empty((2, layers, heads, offsets[-1] + spare, dim), dtype=parts[0].keys.dtype,
+                      device=device)
+    for i, part in enumerate(parts):
+        _place(out, part, offsets[i], offsets[i + 1])
+    return KVBlock(out[0], out[1])
 
 
 def _offsets(parts: list[KVBlock]) -> list[int]:

@@ -39,7 +39,10 @@ class DiskTier(Tier):
     io_threads : threads reading records in ``read_raw_many``.
     budget : bytes of live records allowed (None: unbounded).
 
-    ``open_report`` says what opening found: records, segments, bytes dropped and why.
+    ``open_report`` says what opening found: records, segments, bytes dropped and why. Opening
+    reads only the record headers when the manifest lists exactly the records they describe
+    (the common case: a directory closed cleanly); otherwise it reads and crc-checks every record.
+    Every read checks its record's crc either way.
     """
 
     name = "disk"
@@ -66,17 +69,24 @@ class DiskTier(Tier):
         self._meta = DocMeta(self._files)
         self._generation = -1
         self.open_report = self._open()
+        self._open_generation = self._files.generation
 
     def _open(self) -> dict:
         with self._files.lock.exclusive():
-            self._files.refresh()
+            self._files.refresh(headers_only=True)
             manifest = self._meta.load()
+            if self._files.unverified and not self._meta.vouches:
+                self._files.verify()  # headers alone are trusted only as far as the manifest agrees
+                if manifest.startswith("ok"):  # adopted against the unverified index: again
+                    self._meta = DocMeta(self._files)
+                    manifest = self._meta.load()
             self._sync_accounting()
         files = self._files
         return {"records": len(self._sizes), "segments": len(files.index.segments),
                 "dropped": list(files.problems), "truncated": dict(files.truncated),
                 "foreign": dict(files.foreign), "refused": dict(files.refused),
-                "manifest": manifest}
+                "manifest": manifest,
+                "checked": "headers (the manifest agrees)" if files.unverified else "every record"}
 
     def _sync_accounting(self) -> None:
         """Re-derive sizes from the index after it changed under us (refresh, compaction)."""
@@ -274,6 +284,12 @@ class DiskTier(Tier):
             report.append(entry)
         return report
 
+    def _changed(self) -> bool:
+        """Whether closing has anything to make durable: this tier wrote, metadata changed,
+        the index changed under us, or the manifest did not match the records at open."""
+        return bool(self._files.bytes_written or self._meta.dirty or not self._meta.vouches
+                    or self._files.generation != self._open_generation)
+
     @property
     def bytes_written(self) -> int:
         return self._files.bytes_written
@@ -281,8 +297,9 @@ class DiskTier(Tier):
     def _close(self) -> None:
         try:
             with self._files.lock.exclusive():
-                self._files.sync()
-                self._meta.save()
+                if self._changed():
+                    self._files.sync()
+                    self._meta.save()
         finally:
             self._pool.shutdown()
             self._files.close()

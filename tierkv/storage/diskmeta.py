@@ -23,6 +23,11 @@ class DocMeta:
         self._entries: dict[str, dict] = {}
         self._arrays: dict[str, dict[str, torch.Tensor]] = {}
         self._dirty: set[str] = set()
+        self.vouches = False  # the last load found a manifest listing exactly the live records
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self._dirty)
 
     def docs(self) -> list[str]:
         return list(self._entries)
@@ -58,8 +63,10 @@ class DocMeta:
     def load(self) -> str:
         """Take in the manifest's documents; a description of what was found.
 
-        A temp file left by a writer that died mid-replace is removed first.
+        A temp file left by a writer that died mid-replace is removed first. ``vouches`` tells
+        whether the manifest's index lists exactly the records the directory's index holds.
         """
+        self.vouches = False
         try:
             os.unlink(MANIFEST_TMP, dir_fd=self._files.dir_fd)
         except FileNotFoundError:
@@ -73,6 +80,7 @@ class DocMeta:
         index, docs, entries, arrays = manifest
         self._adopt(entries, arrays)
         stale = self._stale_rows(index, docs)
+        self.vouches = not stale and len(index["seq"]) == len(self._files.index.live)
         return "ok" if not stale else f"ok; {stale} index rows stale (the records win)"
 
     def _read(self):
@@ -95,10 +103,12 @@ class DocMeta:
                 self._arrays[doc] = arrays.get(doc, {})
 
     def _stale_rows(self, index: dict, docs: list[str]) -> int:
-        found = {(key.doc, loc.header.seq): (loc.segment, loc.offset)
+        fields = ("segment", "offset", "length", "group", "start", "end", "codec")
+        found = {(key.doc, loc.header.seq): (loc.segment, loc.offset, loc.length, key.group,
+                                             key.start, key.end, loc.header.codec)
                  for key, loc in self._files.index.live.items()}
-        rows = zip(index["doc"], index["seq"], index["segment"], index["offset"])
-        return sum(found.get((docs[d], seq)) != (seg, off) for d, seq, seg, off in rows)
+        rows = zip(index["doc"], index["seq"], *(index[f] for f in fields))
+        return sum(found.get((docs[d], seq)) != tuple(row) for d, seq, *row in rows)
 
     def _set_aside(self) -> str:
         n = 1

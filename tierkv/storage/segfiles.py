@@ -16,7 +16,7 @@ from .diskindex import DiskIndex, SegmentInfo
 from .locking import DirLock
 from .manifest import DiskWriteError
 from .segment import HEADER, MAGIC, SEGMENT_RE, Scanned, check_crc, parse_header, \
-    scan_segment, segment_name
+    scan_headers, scan_segment, segment_name
 
 _RO = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _WO = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -45,11 +45,17 @@ class SegmentDir:
         self.generation = 0  # bumped whenever the index changes other than by this append
         self._unusable: set[int] = set()  # foreign or refused: never read, written or reused
         self._sealed: set[int] = set()
+        self.unverified: set[int] = set()  # segments taken in from headers alone (see refresh)
         self._writer: tuple[int, int] | None = None
 
     # -- scanning -----------------------------------------------------------------------
-    def refresh(self) -> bool:
-        """Take in segments and tails written since the last refresh; True if any changed."""
+    def refresh(self, headers_only: bool = False) -> bool:
+        """Take in segments and tails written since the last refresh; True if any changed.
+
+        ``headers_only``: take in whole segments from their record headers without reading the
+        payloads (``unverified`` names them) -- for an open whose manifest vouches for them;
+        ``verify()`` rescans them if it does not.
+        """
         with self.lock.exclusive():
             sizes = self._list()
             gone = set(self.index.segments) - set(sizes)
@@ -59,9 +65,17 @@ class SegmentDir:
             for number in sorted(set(sizes) - self._unusable):
                 info = self.index.segments.get(number)
                 if info is None or info.size != sizes[number]:
-                    changed |= self._scan_tail(number)
+                    changed |= self._scan_tail(number, headers_only)
             self.generation += changed
             return changed
+
+    def verify(self) -> None:
+        """Rebuild the index by scanning every segment in full (payload crcs included)."""
+        with self.lock.exclusive():
+            self.index, self.problems = DiskIndex(), []
+            self.unverified.clear()
+            self.refresh()
+            self.generation += 1
 
     def _list(self) -> dict[int, int]:
         """Size of every regular segment file, by number (symlinks and the like are refused)."""
@@ -79,7 +93,7 @@ class SegmentDir:
                 sizes[int(match.group(1))] = st.st_size
         return sizes
 
-    def _scan_tail(self, number: int) -> bool:
+    def _scan_tail(self, number: int, headers_only: bool = False) -> bool:
         info = self.index.segments.get(number)
         start = info.size if info is not None else 0
         fd = self.open_read(number)
@@ -94,7 +108,12 @@ class SegmentDir:
                     and not scan_segment(fd, 0, size)[0]:
                 self._mark_foreign(number)
                 return False
-            found, valid_end, problems = scan_segment(fd, start, size)
+            found = scan_headers(fd, size) if headers_only and start == 0 else None
+            if found is not None:
+                self.unverified.add(number)
+                found, valid_end, problems = found, size, []
+            else:
+                found, valid_end, problems = scan_segment(fd, start, size)
         finally:
             os.close(fd)
         self._take_in(number, found, problems)

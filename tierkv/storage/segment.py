@@ -184,6 +184,27 @@ def scan_segment(fd: int, start: int, end: int) -> tuple[list[Scanned], int, lis
     return found, valid_end, problems
 
 
+def scan_headers(fd: int, end: int) -> list[Scanned] | None:
+    """The records of a segment file ``[0, end)`` from their headers alone (no payload read).
+
+    For opening a directory whose manifest vouches for its records: the caller compares the
+    result with the manifest and falls back to ``scan_segment`` on any difference. Returns None
+    when the header chain is broken (bad header, a record running past ``end``, a gap): then
+    only ``scan_segment`` can say what is valid. Payload crcs are checked on every read.
+    """
+    found, offset = [], 0
+    while offset < end:
+        try:
+            header = parse_header(os.pread(fd, HEADER.size, offset))
+        except CorruptRecordError:
+            return None
+        if offset + header.length > end:
+            return None
+        found.append(Scanned(header, offset))
+        offset += header.length
+    return found
+
+
 def _read_valid(fd: int, offset: int, end: int) -> RecordHeader:
     header = parse_header(os.pread(fd, HEADER.size, offset))
     if offset + header.length > end:

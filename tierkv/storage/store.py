@@ -3,21 +3,30 @@
 New records go to the host tier; when it is full the coldest host records (lowest importance,
 then oldest) spill to disk. A record is always in at least one tier: a spill writes the disk copy
 before it drops the host copy, and a failed disk write leaves the host copy where it was.
+
+The codec of a disk write is, first match wins: the one given to ``put``; the config's when it
+names one (``CodecConfig.codec != "auto"``); the compression controller's choice, when one is
+attached, for the record's size and coldness; else the disk tier's default. A record is *cold*
+when it is among the ``CodecConfig.cold_fraction`` least important records the store holds
+(see ``Ranking.is_cold``): only cold records may get a lossy codec, and only with
+``allow_lossy``.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
+import math
+import numbers
 import threading
+from typing import Mapping
 
 import torch
 
-from ..config import TierConfig
+from ..config import CODECS, LOSSY_CODECS, TierConfig
 from ..shapes import KVShape
 from .base import KVBlock, RecordKey, TierFullError
 from .device import DeviceTier
 from .disk import DiskTier
 from .host import HostTier
+from .ranking import Ranking
 
 
 class KVStore:
@@ -28,24 +37,28 @@ class KVStore:
     shape : the model's KV shape; blocks must have its kv_heads, head_dim and dtype and at most
         its layers.
     config : budgets, disk directory, device, codec.
+    controller : chooses the codec of each disk write when ``config.codec.codec`` is "auto":
+        a ``tierkv.pipeline.CompressionController`` (anything with ``candidates`` and
+        ``choose_for(block, cold) -> codec name or None``), whose candidates must lie within
+        ``config.codec.candidates``. A Pipeline over this store feeds it its measurements.
 
     Attributes ``device``, ``host`` and ``disk`` are the tiers (``disk`` is None without
     ``config.disk_dir``). ``put`` never touches ``device``: the fetch pipeline manages it.
     """
 
-    def __init__(self, shape: KVShape, config: TierConfig):
+    def __init__(self, shape: KVShape, config: TierConfig, controller=None):
         if not isinstance(shape, KVShape) or not isinstance(config, TierConfig):
             raise ValueError("KVStore(shape, config): expected a KVShape and a TierConfig")
         self.shape, self.config = shape, config
+        self.controller = _check_controller(controller, config)
         self.device = DeviceTier(config.device_budget, config.torch_device)
         self.host = HostTier(config.host_budget)
         self.disk = None if config.disk_dir is None else DiskTier(
             config.disk_dir, codec=config.codec, segment_size=config.segment_size,
             io_threads=config.io_threads, budget=config.disk_budget)
-        self._rank: dict[RecordKey, tuple[float, int]] = {}
-        self._heap: list[tuple[float, int, RecordKey]] = []
-        self._codecs: dict[RecordKey, str] = {}
-        self._tick = itertools.count()
+        self._ranks = Ranking()
+        self._codecs: dict[RecordKey, str | None] = {}
+        self._clean: set[RecordKey] = set()  # host copies whose disk copy is current
         self._lock = threading.RLock()
 
     # -- writing ------------------------------------------------------------------------
@@ -54,22 +67,58 @@ class KVStore:
         """Store ``block`` in the host tier, spilling colder host records to disk as needed.
 
         block : KVBlock, keys and values of shape (layers <= shape.layers, kv_heads, tokens,
-            head_dim). ``codec`` is the codec used if the record goes to disk.
+            head_dim). ``importance`` orders spilling and coldness (higher = hotter). ``codec``,
+            when given, is the codec used if the record goes to disk (see the module docstring).
         Raises TierFullError (nothing changed) when the host is full and there is no disk.
         """
-        self._check(key, block)
+        self.put_many({key: block}, {key: importance}, codec)
+
+    def put_many(self, blocks: Mapping[RecordKey, KVBlock],
+                 importance: Mapping[RecordKey, float] | None = None,
+                 codec: str | None = None) -> None:
+        """``put`` of every record of ``blocks`` (importance 0 where ``importance`` has none),
+        all ranked before any is placed: the coldness of each is judged against the whole batch
+        and the records already stored, not only against the records put before it.
+
+        Records are placed in order; on an error the records before the failing one are stored.
+        """
+        if not isinstance(blocks, Mapping) or not isinstance(importance or {}, Mapping):
+            raise ValueError("put_many(blocks, importance): expected mappings of RecordKey")
+        importance = importance or {}
+        items = [(key, block, _importance(importance.get(key, 0.0))) for key, block in
+                 blocks.items()]
+        for key, block, _ in items:
+            self._check(key, block)
+        self._check_codec(codec)
         with self._lock:
-            self._codecs[key] = codec
-            self._set_rank(key, float(importance))
-            self.device.remove(key)
-            if block.nbytes > self.host.budget:
-                self._to_disk(key, block)
-                return
-            self._make_room(key, block.nbytes)
-            try:
-                self.host.put(key, block)
-            except TierFullError:
-                self._to_disk(key, block)
+            for key, _, value in items:
+                self._codecs[key] = codec
+                self._ranks.set(key, value)
+                self._clean.discard(key)
+            for i, (key, block, _) in enumerate(items):
+                try:
+                    self._place(key, block)
+                except BaseException:
+                    self._forget_absent([key for key, _, _ in items[i:]])
+                    raise
+
+    def _place(self, key: RecordKey, block: KVBlock) -> None:
+        self.device.remove(key)
+        if block.nbytes > self.host.budget:
+            self._to_disk(key, block)
+            return
+        self._make_room(key, block.nbytes)
+        try:
+            self.host.put(key, block)
+        except TierFullError:
+            self._to_disk(key, block)
+
+    def _forget_absent(self, keys: list[RecordKey]) -> None:
+        """Drop the rank and codec of those ``keys`` that no tier holds (a failed put)."""
+        for key in keys:
+            if self.where(key) is None:
+                self._ranks.discard(key)
+                self._codecs.pop(key, None)
 
     def _check(self, key: RecordKey, block: KVBlock) -> None:
         if not isinstance(key, RecordKey):
@@ -83,6 +132,15 @@ class KVStore:
                              f"does not fit KVShape(layers={s.layers}, kv_heads={s.kv_heads}, "
                              f"head_dim={s.head_dim}, dtype={s.dtype})")
 
+    def _check_codec(self, codec: str | None) -> None:
+        if codec is None:
+            return
+        if codec not in CODECS:
+            raise ValueError(f"codec={codec!r}: must be None or one of {', '.join(CODECS)}")
+        if codec in LOSSY_CODECS and not self.config.codec.allow_lossy:
+            raise ValueError(f"codec={codec!r} is lossy: the store's CodecConfig has "
+                             "allow_lossy=False")
+
     def _make_room(self, key: RecordKey, nbytes: int) -> None:
         need = nbytes - (self.host.size_of(key) if key in self.host else 0)
         if self.host.fits(need):
@@ -91,50 +149,64 @@ class KVStore:
             raise TierFullError(f"host tier full ({self.host.used} of {self.host.budget} B) and "
                                 "no disk tier configured")
         while not self.host.fits(need):
-            victim = self._coldest(exclude=key)
+            victim = self._ranks.coldest(self.host, exclude=key)
             if victim is None:
                 return
             self._spill(victim)
 
-    def _coldest(self, exclude: RecordKey) -> RecordKey | None:
-        skipped, found = [], None
-        while self._heap:
-            entry = heapq.heappop(self._heap)
-            importance, tick, key = entry
-            if self._rank.get(key) != (importance, tick) or key not in self.host:
-                continue
-            if key == exclude:
-                skipped.append(entry)
-                continue
-            found = key
-            skipped.append(entry)
-            break
-        for entry in skipped:
-            heapq.heappush(self._heap, entry)
-        return found
-
     def _spill(self, key: RecordKey) -> None:
-        self.disk.put(key, self.host.get(key), codec=self._codecs.get(key))
+        if key in self._clean:  # promoted from disk: its disk copy is current
+            self._clean.discard(key)
+            self.host.remove(key)
+            return
+        block = self.host.get(key)
+        self.disk.put(key, block, codec=self._disk_codec(key, block))
         self.host.remove(key)
+
+    def promote(self, key: RecordKey, block: KVBlock, importance: float) -> bool:
+        """Keep a host copy of ``block``, just read from disk for ``key``, if room can be made
+        from host records strictly less important; whether it was kept.
+
+        The host tier then caches the hottest disk records too: the next read is a memory copy.
+        The disk copy stays, so giving the host copy up later costs no write. ``importance``
+        re-ranks the record (e.g. the step that last read it).
+        """
+        importance = _importance(importance)
+        with self._lock:
+            if self.disk is None or key in self.host or key not in self.disk \
+                    or block.nbytes > self.host.budget:
+                return False
+            while not self.host.fits(block.nbytes):
+                victim = self._ranks.coldest(self.host, exclude=key)
+                if victim is None or self._ranks.importance(victim) >= importance:
+                    return False
+                self._spill(victim)
+            self.host.put(key, block.to("cpu"))
+            self._ranks.set(key, importance)
+            self._clean.add(key)
+            return True
 
     def _to_disk(self, key: RecordKey, block: KVBlock) -> None:
         if self.disk is None:
             raise TierFullError(f"{key} ({block.nbytes} B) does not fit the host tier and no disk "
                                 "tier is configured")
-        self.disk.put(key, block, codec=self._codecs.get(key))
+        self.disk.put(key, block, codec=self._disk_codec(key, block))
         self.host.remove(key)
 
-    def _set_rank(self, key: RecordKey, importance: float) -> None:
-        rank = (importance, next(self._tick))
-        self._rank[key] = rank
-        heapq.heappush(self._heap, (*rank, key))
+    def _disk_codec(self, key: RecordKey, block: KVBlock) -> str | None:
+        """The codec of ``key``'s disk write (module docstring); None: the disk tier's default."""
+        codec = self._codecs.get(key)
+        if codec is not None or self.controller is None or self.config.codec.codec != "auto":
+            return codec
+        cold = self._ranks.is_cold(key, self.config.codec.cold_fraction)
+        return self.controller.choose_for(block, cold)
 
     def set_importance(self, key: RecordKey, value: float) -> None:
         """Set the importance that orders spilling (lowest spills first); KeyError if absent."""
         with self._lock:
             if self.where(key) is None:
                 raise KeyError(key)
-            self._set_rank(key, float(value))
+            self._ranks.set(key, _importance(value))
 
     # -- reading ------------------------------------------------------------------------
     def _tiers(self):
@@ -182,8 +254,9 @@ class KVStore:
     def remove(self, key: RecordKey) -> bool:
         """Forget ``key`` in every tier; whether it was stored."""
         with self._lock:
-            self._rank.pop(key, None)
+            self._ranks.discard(key)
             self._codecs.pop(key, None)
+            self._clean.discard(key)
             return sum(bool(tier.remove(key)) for tier in self._tiers()) > 0
 
     def delete_doc(self, doc: str) -> None:
@@ -191,8 +264,9 @@ class KVStore:
         with self._lock:
             for tier in (self.device, self.host):
                 tier.remove_many([k for k in tier.keys() if k.doc == doc])
-            for key in [k for k in self._rank if k.doc == doc]:
-                del self._rank[key]
+            for key in [k for k in self._ranks.keys() if k.doc == doc]:
+                self._ranks.discard(key)
+                self._clean.discard(key)
                 self._codecs.pop(key, None)
             if self.disk is not None:
                 self.disk.delete_doc(doc)
@@ -217,3 +291,25 @@ class KVStore:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _importance(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+        raise ValueError(f"importance={value!r}: must be a number (not NaN)")
+    return float(value)
+
+
+def _check_controller(controller, config: TierConfig):
+    """``controller`` if it can choose codecs within ``config.codec``; ValueError otherwise."""
+    if controller is None:
+        return None
+    if not callable(getattr(controller, "choose_for", None)) \
+            or not hasattr(controller, "candidates"):
+        raise ValueError(f"controller={controller!r}: expected a CompressionController "
+                         "(with candidates and choose_for)")
+    floor = config.codec
+    outside = [c for c in controller.candidates if c not in floor.candidates]
+    if floor.codec == "auto" and outside:
+        raise ValueError(f"controller candidates {outside} are outside the config's "
+                         f"{list(floor.candidates)}: lossy codecs need allow_lossy=True")
+    return controller

@@ -1,0 +1,78 @@
+"""The importance order of a store's records: which host record spills first, which are cold."""
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+from typing import Container
+
+from .base import RecordKey
+
+
+class Ranking:
+    """Records ranked by importance (higher = hotter), ties by age (older = colder).
+
+    ``coldest`` finds the next record to spill (a heap, stale entries dropped as they surface);
+    ``is_cold`` tells whether a record is among the least important share of every ranked record
+    (a sorted list of ranks, bisected: O(log n) to ask, O(n) memmove to change).
+    """
+
+    def __init__(self):
+        self._rank: dict[RecordKey, tuple[float, int]] = {}
+        self._heap: list[tuple[float, int, RecordKey]] = []
+        self._order: list[tuple[float, int]] = []
+        self._tick = itertools.count()
+
+    def set(self, key: RecordKey, importance: float) -> None:
+        """Rank ``key`` at ``importance``, as the newest record of that importance."""
+        self.discard(key)
+        rank = (importance, next(self._tick))
+        self._rank[key] = rank
+        heapq.heappush(self._heap, (*rank, key))
+        bisect.insort(self._order, rank)
+
+    def discard(self, key: RecordKey) -> None:
+        rank = self._rank.pop(key, None)
+        if rank is not None:
+            del self._order[bisect.bisect_left(self._order, rank)]
+
+    def importance(self, key: RecordKey) -> float:
+        """The importance ``key`` was ranked at (KeyError when unranked)."""
+        return self._rank[key][0]
+
+    def keys(self) -> list[RecordKey]:
+        return list(self._rank)
+
+    def coldest(self, among: Container[RecordKey], exclude: RecordKey) -> RecordKey | None:
+        """The lowest-ranked key in ``among`` other than ``exclude``; None if there is none.
+
+        Heap entries of keys no longer in ``among`` are dropped: a key re-enters by ``set``.
+        """
+        skipped, found = [], None
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            importance, tick, key = entry
+            if self._rank.get(key) != (importance, tick) or key not in among:
+                continue
+            skipped.append(entry)
+            if key != exclude:
+                found = key
+                break
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        return found
+
+    def is_cold(self, key: RecordKey, fraction: float) -> bool:
+        """Whether ``key`` is among the ``fraction`` least important ranked records.
+
+        Ties count as hotter: a record is cold only if the records at most as important as it
+        (itself included) are no more than ``fraction`` of all, so with every importance equal
+        (nobody ranked them) no record is cold unless ``fraction`` is 1. Unranked keys are not
+        cold.
+        """
+        rank = self._rank.get(key)
+        if rank is None:
+            return False
+        at_most = bisect.bisect_right(self._order, (rank[0], math.inf))
+        return at_most <= fraction * len(self._order)
