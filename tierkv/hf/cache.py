@@ -15,6 +15,7 @@ last layer of a group has done so, the group's chunks are sealed into the store 
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from transformers import AttentionInterface, Cache
 from transformers.cache_utils import CacheLayerMixin
 
 from ..config import ChunkConfig, SelectConfig, TierConfig
-from ..pipeline import FetchPlan, Metrics, Pipeline
+from ..pipeline import CompressionController, FetchPlan, Metrics, Pipeline
 from ..policies import Policy, make_policy
 from ..shapes import KVShape
 from ..storage.base import KVBlock
@@ -32,6 +33,9 @@ from .prefill import prefill_attention
 from .profile import load_profile
 
 _ids = itertools.count()
+# Records of groups read whole every step rank above any step number: the host keeps them; the
+# others rank by the last step that read or sealed them, so the host caches what decode reads.
+PINNED = 2.0 ** 60
 
 
 class TieredLayer(CacheLayerMixin):
@@ -91,7 +95,9 @@ class TieredCache(Cache):
         self.slot_of = {layer: i for group in self.groups for i, layer in enumerate(group)}
         self.indexes = [GroupIndex(self.doc, g, self.shape.kv_heads, self.shape.head_dim, self.chunks)
                         for g in range(len(self.groups))]
-        self.store = KVStore(self.shape, config)
+        auto = config.codec.codec == "auto" and config.disk_dir is not None
+        self.store = KVStore(self.shape, config,
+                             CompressionController.from_config(config.codec) if auto else None)
         self.device = self.store.device.device
         self.metrics = Metrics()
         self.pipeline = Pipeline(self.store, self.device, threads=min(config.io_threads, 4),
@@ -102,9 +108,12 @@ class TieredCache(Cache):
         self._pending: list[list[KVBlock]] = [[] for _ in layers]
         self._fresh = [False] * self.shape.layers
         self._step: dict = {}
+        self.steps = 0  # decode steps so far: the importance of what a step reads or seals
         self.token_ids = torch.zeros(1, 0, dtype=torch.long)
         self.snapshot: set | None = None  # disk records of the saved document this cache holds
         self.prefill_blocks = None  # a group's sealed records on the host during a new prompt
+        self.prefill_ahead = None  # the next group's, being read (prefill.py)
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-prefill")
         self._model = model
         self._install(model)
 
@@ -159,9 +168,14 @@ class TieredCache(Cache):
             self._new_step()
         block, positions = self.fetched(layer, self.policy.fetch(self, layer, q))
         wk, wv = self._window[layer]
-        slot = self.slot_of[layer]
-        k = torch.cat([block.keys[slot], wk], dim=1)
-        v = torch.cat([block.values[slot], wv], dim=1)
+        slot, n, w = self.slot_of[layer], positions.numel(), wk.shape[1]
+        k, v = block.keys[slot], block.values[slot]
+        if k.shape[1] >= n + w:  # the fetch left room for the window: no copy of the chunks
+            k[:, n:n + w].copy_(wk)
+            v[:, n:n + w].copy_(wv)
+            k, v = k[:, :n + w], v[:, :n + w]
+        else:
+            k, v = torch.cat([k[:, :n], wk], dim=1), torch.cat([v[:, :n], wv], dim=1)
         start = self.indexes[self.group_of[layer]].sealed
         positions = torch.cat([positions, torch.arange(start, start + wk.shape[1])])
         return self.policy.attend(self, layer, q, k, v, positions, scaling)
@@ -172,6 +186,7 @@ class TieredCache(Cache):
             if kind == "fetch":
                 self.store.device.reserve(f"fetch:{group}", 0)
         self._step = prefetched
+        self.steps += 1
         self.metrics.step_begin()
 
     def fetched(self, layer: int, wanted: Fetch | torch.Tensor | None):
@@ -201,9 +216,16 @@ class TieredCache(Cache):
         while earlier layers compute); its bytes count against the device budget from now."""
         if not spec.keys or self._step.get(("prefetch", group), (None,))[0] == spec.keys:
             return
-        self.reserve(f"prefetch:{group}", len(spec.positions) * self.shape.token_bytes(len(self.groups[group])))
-        handle = self.pipeline.submit(FetchPlan([(group, spec.keys)]))
+        tokens = len(spec.positions) + self.spare_tokens
+        self.reserve(f"prefetch:{group}", tokens * self.shape.token_bytes(len(self.groups[group])))
+        handle = self.pipeline.submit(FetchPlan([(group, spec.keys)], spare=self.spare_tokens,
+                                                default_importance=self._importance(group)))
         self._step[("prefetch", group)] = (spec.keys, handle)
+
+    @property
+    def spare_tokens(self) -> int:
+        """Room left after a fetch for the recent window (which decode keeps below this)."""
+        return self.select.window + self.policy.chunk_tokens
 
     def selection(self, group: int) -> Fetch | None:
         """What a filter layer chose for ``group`` this step, or None (all)."""
@@ -225,6 +247,10 @@ class TieredCache(Cache):
         """Bytes of the sealed KV of ``layer``'s group."""
         g = self.group_of[layer]
         return self.indexes[g].sealed * self.shape.token_bytes(len(self.groups[g]))
+
+    def _importance(self, group: int) -> float:
+        """Rank of the records ``group`` reads or seals now (see ``PINNED``)."""
+        return PINNED if self.policy.dense(self, self.groups[group][0]) else float(self.steps)
 
     # -- sealing ------------------------------------------------------------------------
     def _look_ahead(self, g: int) -> None:
@@ -264,9 +290,10 @@ class TieredCache(Cache):
         start, step = index.sealed, self.policy.chunk_tokens
         bounds = [(s, s + step) for s in range(start, start + keys.shape[2], step)]
         records = index.add(bounds, keys[0])
+        hot = self._importance(g)
         for key, (s, e) in zip(records, bounds):
             block = KVBlock(keys[:, :, s - start:e - start], values[:, :, s - start:e - start])
-            self.store.put(key, block)
+            self.store.put(key, block, importance=hot)
 
     # -- lifetime -----------------------------------------------------------------------
     def _install(self, model) -> None:
@@ -290,7 +317,7 @@ class TieredCache(Cache):
 
     @classmethod
     def open(cls, model, path, config: TierConfig | None = None, policy: str | None = None,
-             doc: str | None = None) -> "TieredCache":
+             doc: str | None = None, select: SelectConfig | None = None) -> "TieredCache":
         """Reopen a saved document for ``model`` (checked to be the model that saved it).
 
         The next ``generate`` continues the saved sequence: pass ``cache.token_ids`` followed by
@@ -298,7 +325,7 @@ class TieredCache(Cache):
         """
         from .persist import open_cache
 
-        return open_cache(cls, model, path, config, policy, doc)
+        return open_cache(cls, model, path, config, policy, doc, select)
 
     def close(self) -> None:
         """Give the model back its own attention and release the tiers (idempotent)."""
@@ -308,6 +335,8 @@ class TieredCache(Cache):
         AttentionInterface._global_mapping.pop(self._attn_name, None)
         self._ids_hook.remove()
         self._model = None
+        self.reader.shutdown(wait=True, cancel_futures=True)
+        self.prefill_blocks = self.prefill_ahead = None
         self.pipeline.close()
         disk = self.store.disk
         if self.snapshot is not None and disk is not None:

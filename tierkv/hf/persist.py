@@ -97,8 +97,9 @@ def _meta_or_empty(disk: DiskTier, doc: str) -> dict:
 
 
 def open_cache(cls, model, path, config: TierConfig | None = None, policy: str | None = None,
-               doc: str | None = None):
-    """Reopen a saved document as a ``cls`` (TieredCache) bound to ``model``."""
+               doc: str | None = None, select: SelectConfig | None = None):
+    """Reopen a saved document as a ``cls`` (TieredCache) bound to ``model``; ``policy`` and
+    ``select`` replace the saved ones when given (the policy must group layers alike)."""
     doc, meta, arrays = read_meta(path, doc)
     saved, here = meta["model"], model_identity(model)
     if saved != here:
@@ -107,7 +108,7 @@ def open_cache(cls, model, path, config: TierConfig | None = None, policy: str |
     config = config or TierConfig(disk_dir=path)
     if config.disk_dir is None or Path(config.disk_dir).resolve() != Path(path).resolve():
         config = dataclasses.replace(config, disk_dir=Path(path))
-    select = _config(SelectConfig, meta["select"])
+    select = select or _config(SelectConfig, meta["select"])
     cache = cls(model, config, policy or meta["policy"], select=select,
                 chunks=_config(ChunkConfig, meta["chunks"]), doc=doc)
     try:

@@ -56,13 +56,30 @@ def sealed_layer_kv(cache, layer: int):
 
 
 def _group_blocks(cache, g: int):
-    """The sealed records of group ``g`` on the host, read once per forward."""
-    keys = list(cache.indexes[g].fetch(None).keys)
+    """The sealed records of group ``g`` on the host, read once per forward; the next group's
+    are read in the background meanwhile (a new turn over a saved or long document is mostly
+    reading)."""
+    keys = tuple(cache.indexes[g].fetch(None).keys)
     held = cache.prefill_blocks
-    if held is not None and held[0] == (g, tuple(keys)):
+    if held is not None and held[0] == (g, keys):
         return held[1]
+    ahead, cache.prefill_ahead = cache.prefill_ahead, None
+    if ahead is not None and ahead[0] == (g, keys):
+        blocks = ahead[1].result()
+    else:
+        if ahead is not None:
+            ahead[1].cancel()
+        blocks = _read_group(cache, g, keys)
+    cache.prefill_blocks = ((g, keys), blocks)
+    if g + 1 < len(cache.groups):
+        following = tuple(cache.indexes[g + 1].fetch(None).keys)
+        if following:
+            cache.prefill_ahead = ((g + 1, following),
+                                   cache.reader.submit(_read_group, cache, g + 1, following))
+    return blocks
+
+
+def _read_group(cache, g: int, keys) -> list:
     per_record = max(1, cache.shape.token_bytes(len(cache.groups[g])) * cache.policy.chunk_tokens)
     step = max(1, FETCH_BATCH_BYTES // per_record)
-    blocks = [b for i in range(0, len(keys), step) for b in cache.store.fetch(keys[i:i + step], "cpu")]
-    cache.prefill_blocks = ((g, tuple(keys)), blocks)
-    return blocks
+    return [b for i in range(0, len(keys), step) for b in cache.store.fetch(keys[i:i + step], "cpu")]
