@@ -10,23 +10,43 @@ with the context below that (the rest spills to disk, raw codec).
 
 A decode step, per group: LKA bound scores of every chunk for the group's query, the top chunks
 within a 2 % token budget, ``KVStore.fetch`` of them (page cache dropped before the step), and
-GQA attention on the CPU for each of the group's layers over the fetched tokens. Side by side:
+GQA attention on the CPU for each of the group's layers (``tierkv.attention.DecodeAccumulator``:
+record by record, each converted to fp32 while it is in the cache, merged by log-sum-exp). As in
+tierkv's pipeline, selection and fetch run ahead of the attention, which keeps the group order:
+a loader thread selects and submits the step's records, ``BATCH`` at a time, to ``FETCHERS``
+fetch threads, at most ``LOOKAHEAD`` batches ahead of the main thread. Side by side, each just
+before each step:
 
-* ``physical_bound_s``: the step's disk bytes / the raw read bandwidth of plain file reads of the
-  same volume (page cache dropped) measured in the same run;
-* ``brute_s``: the same step reading every record.
+* ``physical_bound_s``: the step's disk bytes / the bandwidth of plain sequential reads of a file
+  of the same volume (page cache dropped): the target's bound;
+* ``extent_bound_s``: the step's disk bytes / the bandwidth of plain reads of the very extents of
+  a step's disk records (scattered 1 MiB reads, ``IO_THREADS`` at a time): the disk's limit for
+  this access pattern, without any of tierkv's work;
+
+and once, ``brute_s``: the step reading every record, through the same code.
+
+Memory: each size runs in a fresh process. ``rss_baseline`` is that process before the store
+opens (torch, the synthetic pool; ``rss_idle``: the parent, torch only); ``peak_rss_write``,
+``peak_rss_step`` and ``peak_rss_brute`` are the peak resident set (Linux VmHWM, reset at the start
+of each phase) of writing the KV, of the selective steps and of the brute-force step, each with
+the baseline, the host tier and the summaries included; ``peak_rss_process`` is the largest.
 
     python -m bench.scale [--quick] [--tokens 65536 262144]   ->  bench/results/scale.json
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import multiprocessing
 import os
+import queue
 import resource
 import shutil
 import tempfile
+import threading
 import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -35,7 +55,9 @@ import torch.nn.functional as F
 
 from bench.common import drop_page_cache, write_result
 from tierkv import KVBlock, KVShape, KVStore, RecordKey, TierConfig
+from tierkv.attention import DecodeAccumulator
 from tierkv.config import CodecConfig
+from tierkv.storage.segment import segment_name
 from tierkv.summary import chunk_scores, summarize
 
 SHAPE = KVShape(layers=32, kv_heads=8, head_dim=128, q_heads=32, dtype=torch.float16)
@@ -44,7 +66,12 @@ NEEDLES = 4              # needle chunks per group
 POOL = 64                # distinct random blocks the records cycle through
 REF_TOKENS = 65536       # the context at which the budgets are 1 GB / 4 GB
 DEVICE_BUDGET, HOST_BUDGET = 1e9, 4e9
-BRUTE_MAX_BYTES = 16 << 30
+BATCH = 16               # records per KVStore.fetch: the unit of prefetch
+LOOKAHEAD = 3            # batches submitted but not yet attended, at most (besides the current)
+FETCHERS = 2             # batches fetched at once
+IO_THREADS = 8           # the disk tier's readers (default 4): scattered 1 MiB reads gain from depth
+BRUTE_MAX_BYTES = 48 << 30  # reading every record: ~1.5 min a step at 30 GB here
+SCALING = SHAPE.head_dim ** -0.5
 
 
 class SyntheticKV:
@@ -65,12 +92,14 @@ class SyntheticKV:
         self.gen = gen
 
     def block(self, group: int, chunk: int) -> KVBlock:
+        """The record of ``chunk``: pool tensors as they are (the store copies what it keeps),
+        a needle chunk's keys copied and changed."""
         keys, values = self.pool[(chunk * 7919 + group * 31) % POOL]
-        keys = keys.clone()
         if chunk in self.needles[group]:
             # a few tokens point hard along the query: q . k stands far above the noise
+            keys = keys.clone()
             keys[:, :, 8:16] += 12 * self.direction[group].view(1, SHAPE.kv_heads, 1, -1).half()
-        return KVBlock(keys, values.clone())
+        return KVBlock(keys, values)
 
     def query(self, group: int) -> torch.Tensor:
         """The group's decode query, shape (q_heads, head_dim), near the needle direction."""
@@ -87,13 +116,12 @@ def fill(store: KVStore, kv: SyntheticKV) -> list[tuple[torch.Tensor, torch.Tens
     """Write every record; the per-group summaries (kmin, kmax), shape (chunks, kv_heads, dim)."""
     summaries = []
     for g in range(kv.groups):
-        lo, hi = [], []
+        kmin, kmax = (torch.empty(kv.chunks, SHAPE.kv_heads, SHAPE.head_dim) for _ in range(2))
         for c in range(kv.chunks):
             block = kv.block(g, c)
-            kmin, kmax = summarize(block.keys[0])
-            lo.append(kmin), hi.append(kmax)
+            kmin[c], kmax[c] = summarize(block.keys[0])
             store.put(key(g, c), block)
-        summaries.append((torch.stack(lo), torch.stack(hi)))
+        summaries.append((kmin, kmax))
     store.disk.flush()
     return summaries
 
@@ -103,34 +131,129 @@ def drop_store_cache(store: KVStore) -> None:
         drop_page_cache(seg)
 
 
-def attend(q: torch.Tensor, block: KVBlock) -> None:
-    """GQA attention of one query over each layer of ``block``."""
-    for layer in range(block.keys.shape[0]):
-        F.scaled_dot_product_attention(q.unsqueeze(0).unsqueeze(2),
-                                       block.keys[layer].unsqueeze(0).float(),
-                                       block.values[layer].unsqueeze(0).float(), enable_gqa=True)
+def reset_peak_rss() -> None:
+    """Start a new peak-RSS window (Linux: VmHWM is reset through /proc/self/clear_refs)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
 
 
-def step(store: KVStore, kv: SyntheticKV, summaries, chosen_of) -> dict:
-    """One decode step over all groups; ``chosen_of(g, q, kmin, kmax)`` names the chunks."""
-    drop_store_cache(store)
-    read0, rss = store.disk.bytes_read, 0
-    hits, fetch_s = 0, 0.0
-    start = time.perf_counter()
-    for g, (kmin, kmax) in enumerate(summaries):
-        q = kv.query(g)
-        chosen = chosen_of(q, kmin, kmax)
+def peak_rss() -> int:
+    """Peak resident bytes since ``reset_peak_rss`` (Linux), else since the process began."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Timeline:
+    """Busy spans of one kind of work, from any thread; ``seconds``: the time at least one ran."""
+
+    def __init__(self):
+        self.spans: list[tuple[float, float]] = []
+
+    def timed(self, fn, *args):
         t0 = time.perf_counter()
-        blocks = store.fetch([key(g, c) for c in chosen], "cpu")
-        fetch_s += time.perf_counter() - t0
-        block = KVBlock(torch.cat([b.keys for b in blocks], 2), torch.cat([b.values for b in blocks], 2))
-        attend(q, block)
-        rss = max(rss, psutil.Process().memory_info().rss)
-        hits += len(set(chosen) & set(kv.needles[g]))
-        del blocks, block
+        try:
+            return fn(*args)
+        finally:
+            self.spans.append((t0, time.perf_counter()))
+
+    @property
+    def seconds(self) -> float:
+        total, end = 0.0, -math.inf
+        for t0, t1 in sorted(self.spans):
+            total += max(0.0, t1 - max(t0, end))
+            end = max(end, t1)
+        return total
+
+
+class Workers:
+    """The loader and fetch threads of the steps, kept from step to step: a fresh thread pays
+    torch's per-thread set-up (~10 ms here) on its first operation."""
+
+    def __init__(self):
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="scale-load")
+        self.fetchers = ThreadPoolExecutor(FETCHERS, thread_name_prefix="scale-fetch")
+
+    def close(self) -> None:
+        self.loader.shutdown()
+        self.fetchers.shutdown()
+
+
+def load(store: KVStore, kv: SyntheticKV, summaries, chosen_of, fetchers, out: queue.Queue,
+         work: dict[str, Timeline], cancel: threading.Event) -> list[RecordKey]:
+    """The loader: select each group's chunks and submit the step's records to ``fetchers``, in
+    order, ``BATCH`` at a time (a batch may span groups); each batch goes into ``out`` as (future
+    of its blocks, its (group, query, chosen, chunk) entries), then None. The keys submitted."""
+    submitted, pending = [], []
+    try:
+        for g, (kmin, kmax) in enumerate(summaries):
+            q = kv.query(g)
+            chosen = work["select"].timed(chosen_of, q, kmin, kmax)
+            pending += [(g, q, chosen, c) for c in chosen]
+            while not cancel.is_set() and (len(pending) >= BATCH or
+                                           (pending and g == len(summaries) - 1)):
+                batch, pending = pending[:BATCH], pending[BATCH:]
+                keys = [key(group, c) for group, _, _, c in batch]
+                out.put((fetchers.submit(work["fetch"].timed, store.fetch, keys, "cpu"), batch))
+                submitted += keys
+    finally:
+        out.put(None)
+    return submitted
+
+
+def attend(items: queue.Queue, kv: SyntheticKV, work: dict[str, Timeline]) -> int:
+    """The main thread's part of a step: each group's GQA attention over its fetched records,
+    as they arrive; the needle chunks among the chosen ones."""
+    hits, acc = 0, None
+    while (item := work["stall"].timed(items.get)) is not None:
+        future, batch = item
+        blocks = work["stall"].timed(future.result)
+        t0 = time.perf_counter()
+        for (g, q, chosen, chunk), block in zip(batch, blocks):
+            if acc is None:
+                acc = DecodeAccumulator(q.expand(GROUP, *q.shape), SCALING)
+            acc.add(block.keys, block.values)  # a record at a time: its fp32 copies stay in cache
+            if chunk == chosen[-1]:
+                acc.result()
+                acc = None
+                hits += len(set(chosen) & set(kv.needles[g]))
+        work["attend"].spans.append((t0, time.perf_counter()))
+        del item, future, blocks
+    return hits
+
+
+def step(store: KVStore, kv: SyntheticKV, summaries, chosen_of, workers: Workers) -> dict:
+    """One decode step over all groups; ``chosen_of(q, kmin, kmax)`` names the chunks.
+
+    Times: ``s`` the step; ``select_s`` and ``fetch_s`` the time any selection / any
+    ``KVStore.fetch`` ran; ``attend_s`` the main thread's attention; ``stall_s`` its waits.
+    ``keys``: the records read.
+    """
+    drop_store_cache(store)
+    read0 = store.disk.bytes_read
+    work = {name: Timeline() for name in ("select", "fetch", "attend", "stall")}
+    items, cancel = queue.Queue(LOOKAHEAD), threading.Event()
+    start = time.perf_counter()
+    job = workers.loader.submit(load, store, kv, summaries, chosen_of, workers.fetchers, items,
+                                work, cancel)
+    try:
+        hits = attend(items, kv, work)
+    except BaseException:
+        cancel.set()
+        while not job.done():  # unblock the loader
+            with contextlib.suppress(queue.Empty):
+                items.get(timeout=0.1)
+        raise
+    keys = job.result()
     seconds = time.perf_counter() - start
-    return {"s": seconds, "fetch_s": fetch_s, "disk_bytes": store.disk.bytes_read - read0, "rss": rss,
-            "recall": hits / (NEEDLES * len(summaries))}
+    return {"s": seconds, **{f"{name}_s": t.seconds for name, t in work.items()}, "keys": keys,
+            "disk_bytes": store.disk.bytes_read - read0, "recall": hits / (NEEDLES * len(summaries))}
 
 
 def top_chunks(select_tokens: int):
@@ -140,60 +263,164 @@ def top_chunks(select_tokens: int):
     return chosen_of
 
 
-def raw_read_gbps(path: Path, nbytes: int, chunk: int = 1 << 20) -> float:
-    """GB/s of plain sequential reads of a ``nbytes`` file (written, fsynced, cache dropped)."""
-    nbytes = max(chunk, nbytes // chunk * chunk)
-    data = os.urandom(chunk)
-    with open(path, "wb") as f:
-        for _ in range(nbytes // chunk):
-            f.write(data)
-    drop_page_cache(path)
-    buf = bytearray(chunk)
-    fd = os.open(path, os.O_RDONLY)
-    start = time.perf_counter()
-    for offset in range(0, nbytes, chunk):
-        os.preadv(fd, [buf], offset)
-    seconds = time.perf_counter() - start
-    os.close(fd)
-    path.unlink()
-    return nbytes / seconds / 1e9
+class RawReads:
+    """A file of ``nbytes`` (written and fsynced once) whose plain sequential reads, page cache
+    dropped, give the raw disk bandwidth."""
+
+    def __init__(self, path: Path, nbytes: int, chunk: int = 1 << 20):
+        self.path, self.chunk = path, chunk
+        self.nbytes = max(chunk, nbytes // chunk * chunk)
+        data = os.urandom(chunk)
+        with open(path, "wb") as f:
+            for _ in range(self.nbytes // chunk):
+                f.write(data)
+
+    def gbps(self) -> float:
+        drop_page_cache(self.path)
+        buf = bytearray(self.chunk)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            start = time.perf_counter()
+            for offset in range(0, self.nbytes, self.chunk):
+                os.preadv(fd, [buf], offset)
+            seconds = time.perf_counter() - start
+        finally:
+            os.close(fd)
+        return self.nbytes / seconds / 1e9
+
+
+def extent_gbps(store: KVStore, keys: list[RecordKey], threads: int) -> float:
+    """GB/s of plain reads of the disk records of ``keys`` (their exact file extents in disk
+    order, ``threads`` at a time, page cache dropped): the disk's bandwidth for the step's access
+    pattern, with none of tierkv's work."""
+    live = store.disk._files.index.live  # record locations: private to the disk tier
+    locs = sorted((live[k] for k in keys if store.where(k) == "disk"),
+                  key=lambda loc: (loc.segment, loc.offset))
+    drop_store_cache(store)
+    fds = {n: os.open(store.disk.path / segment_name(n), os.O_RDONLY)
+           for n in {loc.segment for loc in locs}}
+    buffers = threading.local()
+
+    def read(loc) -> None:
+        if getattr(buffers, "buf", None) is None or len(buffers.buf) < loc.length:
+            buffers.buf = bytearray(loc.length)
+        os.preadv(fds[loc.segment], [memoryview(buffers.buf)[:loc.length]], loc.offset)
+
+    try:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, locs))
+        seconds = time.perf_counter() - start
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return sum(loc.length for loc in locs) / seconds / 1e9
+
+
+def measured_steps(store: KVStore, kv: SyntheticKV, summaries, root: Path, select_tokens: int,
+                   steps: int, threads: int) -> tuple[list[dict], float, float]:
+    """A warm-up step, then ``steps`` steps, each just after a sequential raw read of the same
+    volume and a plain read of the warm-up step's extents (``extent_gbps``); the steps' results
+    and the mean sequential and extent bandwidths (GB/s)."""
+    chosen_of = top_chunks(select_tokens)
+    workers = Workers()
+    try:
+        warm = step(store, kv, summaries, chosen_of, workers)
+        raw = RawReads(root / "raw.bin", warm["disk_bytes"])
+        try:
+            runs, seq, extents = [], [], []
+            for _ in range(steps):
+                seq.append(raw.gbps())
+                extents.append(extent_gbps(store, warm["keys"], threads))
+                runs.append(step(store, kv, summaries, chosen_of, workers))
+        finally:
+            raw.path.unlink()
+    finally:
+        workers.close()
+    return runs, sum(seq) / steps, sum(extents) / steps
+
+
+def brute_step(store: KVStore, kv: SyntheticKV, summaries) -> dict:
+    """The step reading every record, through the same code."""
+    workers = Workers()
+    try:
+        return step(store, kv, summaries, lambda q, lo, hi: list(range(kv.chunks)), workers)
+    finally:
+        workers.close()
 
 
 def bench_size(root: Path, tokens: int, steps: int) -> dict:
     scale = min(1.0, tokens / REF_TOKENS)  # 1 GB / 4 GB from 64K tokens up
     device, host = int(DEVICE_BUDGET * scale), int(HOST_BUDGET * scale)
     config = TierConfig(device_budget=device, host_budget=host, disk_dir=root / f"kv-{tokens}",
-                        device="cpu", codec=CodecConfig("raw"))
+                        device="cpu", codec=CodecConfig("raw"), io_threads=IO_THREADS)
     kv = SyntheticKV(tokens)
+    select_tokens = int(SELECT * tokens)
+    rss = {"baseline": psutil.Process().memory_info().rss}
+    reset_peak_rss()
     t0 = time.perf_counter()
     with KVStore(SHAPE, config) as store:
         summaries = fill(store, kv)
-        write_s = time.perf_counter() - t0
+        write_s, rss["write"] = time.perf_counter() - t0, peak_rss()
         tiers = store.stats()
-        select_tokens = int(SELECT * tokens)
-        step(store, kv, summaries, top_chunks(select_tokens))          # warm-up
-        runs = [step(store, kv, summaries, top_chunks(select_tokens)) for _ in range(steps)]
-        per_step = {k: sum(r[k] for r in runs) / len(runs) for k in ("s", "fetch_s", "disk_bytes", "recall")}
-        gbps = raw_read_gbps(root / "raw.bin", int(per_step["disk_bytes"]))
-        kv_bytes = SHAPE.kv_bytes(tokens)
+        reset_peak_rss()
+        runs, gbps, extent = measured_steps(store, kv, summaries, root, select_tokens, steps,
+                                            config.io_threads)
+        rss["step"] = peak_rss()
         brute = None
         if tiers["disk_bytes"] <= BRUTE_MAX_BYTES:
-            brute = step(store, kv, summaries, lambda q, lo, hi: list(range(kv.chunks)))
+            reset_peak_rss()
+            brute = brute_step(store, kv, summaries)
+            rss["brute"] = peak_rss()
     shutil.rmtree(root / f"kv-{tokens}", ignore_errors=True)
-    bound = per_step["disk_bytes"] / (gbps * 1e9)
-    return {"tokens": tokens, "kv_bytes": kv_bytes, "device_budget": device, "host_budget": host,
-            "disk_bytes": tiers["disk_bytes"], "host_bytes": tiers["host_bytes"],
-            "select_tokens_per_group": select_tokens // CHUNK * CHUNK, "write_s": write_s,
-            "steps": steps, "step_s": per_step["s"], "step_fetch_s": per_step["fetch_s"],
-            "fetch_over_physical_bound": per_step["fetch_s"] / bound if bound else None,
-            "brute_fetch_s": brute and brute["fetch_s"], "disk_bytes_per_step": per_step["disk_bytes"],
+    return {"tokens": tokens, "kv_bytes": SHAPE.kv_bytes(tokens), "device_budget": device,
+            "host_budget": host, "disk_bytes": tiers["disk_bytes"], "host_bytes": tiers["host_bytes"],
+            "select_tokens_per_group": select_tokens // CHUNK * CHUNK,
             "fetched_bytes_per_group": select_tokens // CHUNK * CHUNK * SHAPE.token_bytes(GROUP),
-            "needle_recall": per_step["recall"], "peak_rss_step": max(r["rss"] for r in runs),
-            "raw_read_gbps": gbps, "physical_bound_s": bound,
-            "step_over_physical_bound": per_step["s"] / bound if bound else None,
-            "brute_s": brute and brute["s"], "brute_disk_bytes": brute and brute["disk_bytes"],
-            "brute_over_step": brute and brute["s"] / per_step["s"],
-            "brute_skipped": None if brute else f"disk part {tiers['disk_bytes']} B > {BRUTE_MAX_BYTES} B"}
+            "write_s": write_s, "steps": steps, "rss_baseline": rss["baseline"],
+            "peak_rss_write": rss["write"], "peak_rss_step": rss["step"],
+            "peak_rss_brute": rss.get("brute"), "peak_rss_process": max(rss.values()),
+            **step_figures(runs, gbps, extent),
+            **brute_figures(brute, runs, tiers["disk_bytes"])}
+
+
+def step_figures(runs: list[dict], gbps: float, extent: float) -> dict:
+    """The steps' mean times and disk bytes against the sequential and extent bounds."""
+    mean = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0] if k != "keys"}
+    bound, extent_bound = (mean["disk_bytes"] / (rate * 1e9) for rate in (gbps, extent))
+    return {"step_s": mean["s"], "step_fetch_s": mean["fetch_s"],
+            "step_select_s": mean["select_s"], "step_attend_s": mean["attend_s"],
+            "step_stall_s": mean["stall_s"], "disk_bytes_per_step": mean["disk_bytes"],
+            "needle_recall": mean["recall"], "raw_read_gbps": gbps, "physical_bound_s": bound,
+            "step_over_physical_bound": mean["s"] / bound if bound else None,
+            "fetch_over_physical_bound": mean["fetch_s"] / bound if bound else None,
+            "extent_read_gbps": extent, "extent_bound_s": extent_bound,
+            "step_over_extent_bound": mean["s"] / extent_bound if extent_bound else None,
+            "fetch_over_extent_bound": mean["fetch_s"] / extent_bound if extent_bound else None}
+
+
+def brute_figures(brute: dict | None, runs: list[dict], disk_bytes: int) -> dict:
+    if brute is None:
+        return {"brute_s": None, "brute_fetch_s": None, "brute_disk_bytes": None,
+                "brute_over_step": None,
+                "brute_skipped": f"disk part {disk_bytes} B > {BRUTE_MAX_BYTES} B"}
+    step_s = sum(r["s"] for r in runs) / len(runs)
+    return {"brute_s": brute["s"], "brute_fetch_s": brute["fetch_s"],
+            "brute_disk_bytes": brute["disk_bytes"], "brute_over_step": brute["s"] / step_s,
+            "brute_skipped": None}
+
+
+def setup() -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)  # the loader and the disk tier's reader threads get the other core
+
+
+def run_size(root: Path, tokens: int, steps: int) -> dict:
+    """``bench_size`` in a fresh process: a size's memory figures start from an idle process,
+    not from what the previous size left in the allocator (~0.3 GB)."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=context, initializer=setup) as pool:
+        return pool.submit(bench_size, root, tokens, steps).result()
 
 
 def main(argv=None) -> dict:
@@ -201,31 +428,32 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="16K tokens only, 2 steps")
     parser.add_argument("--tokens", type=int, nargs="+", help="context sizes (default 65536)")
     args = parser.parse_args(argv)
-    torch.manual_seed(0)
-    torch.set_num_threads(1)  # the disk tier's reader threads get the other core
+    setup()
     sizes = args.tokens or ([16384] if args.quick else [65536])
     steps = 2 if args.quick else 4
+    idle = psutil.Process().memory_info().rss
     root = Path(tempfile.mkdtemp(prefix="tierkv-bench-scale-"))
     try:
-        results = {str(t): bench_size(root, t, steps) for t in sorted(sizes)}
+        results = {str(t): run_size(root, t, steps) for t in sorted(sizes)}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     not_run = {str(t): f"{SHAPE.kv_bytes(t) / 1e9:.0f} GB of KV: not run in this invocation"
                for t in (65536, 262144, 1 << 20) if str(t) not in results}
-    print(f"{'tokens':>8} {'step ms':>8} {'fetch ms':>8} {'disk MB/step':>12} {'bound ms':>9} {'step/bound':>10} "
-          f"{'brute/step':>10} {'recall':>6} {'rss GB':>7}")
+    print(f"{'tokens':>8} {'step ms':>8} {'fetch ms':>8} {'disk MB/step':>12} {'bound ms':>9} "
+          f"{'step/bound':>10} {'step/extent':>11} {'brute/step':>10} {'recall':>6} {'rss GB':>7}")
     for r in results.values():
         brute = r["brute_over_step"]
         print(f"{r['tokens']:>8} {r['step_s'] * 1e3:8.1f} {r['step_fetch_s'] * 1e3:8.1f} "
-              f"{r['disk_bytes_per_step'] / 1e6:12.1f} "
-              f"{r['physical_bound_s'] * 1e3:9.1f} {r['step_over_physical_bound'] or 0:10.2f} "
+              f"{r['disk_bytes_per_step'] / 1e6:12.1f} {r['physical_bound_s'] * 1e3:9.1f} "
+              f"{r['step_over_physical_bound'] or 0:10.2f} {r['step_over_extent_bound'] or 0:11.2f} "
               f"{'-' if brute is None else f'{brute:.1f}':>10} {r['needle_recall']:6.2f} "
               f"{r['peak_rss_step'] / 1e9:7.2f}")
     result = {"config": {"layers": SHAPE.layers, "kv_heads": SHAPE.kv_heads, "head_dim": SHAPE.head_dim,
                          "dtype": "float16", "group_layers": GROUP, "chunk": CHUNK, "select": SELECT,
-                         "needles_per_group": NEEDLES, "quick": args.quick, "threads": torch.get_num_threads()},
-              "sizes": results, "not_run": not_run,
-              "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+                         "needles_per_group": NEEDLES, "batch_records": BATCH, "lookahead": LOOKAHEAD,
+                         "fetchers": FETCHERS, "io_threads": IO_THREADS,
+                         "quick": args.quick, "threads": torch.get_num_threads()},
+              "sizes": results, "not_run": not_run, "rss_idle": idle}
     print(write_result("scale", result))
     return result
 

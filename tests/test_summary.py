@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from tierkv.summary import (bound_scores, chunk_scores, merge_summaries, rounding_margin,
-                            segment_minmax, summarize, summarize_segments)
+from tierkv.summary import (bound_scores, chunk_scores, criticality, merge_summaries,
+                            rounding_margin, segment_minmax, summarize, summarize_segments)
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -86,6 +86,45 @@ def test_chunk_scores_reduce_groups_then_heads():
     assert per_head.shape == (7, 3) and per_layer.shape == (7,)
     assert torch.equal(per_head, full.amax(2)) and torch.equal(per_layer, full.amax((1, 2)))
     assert rounding_margin(q, kmin, kmax).shape == (7,)
+
+
+def test_criticality_keeps_each_heads_ranking_whatever_its_scale():
+    gen = torch.Generator().manual_seed(5)
+    kmin = torch.randn(40, 1, 16, generator=gen)
+    kmax = kmin + torch.rand(40, 1, 16, generator=gen)
+    q = torch.randn(1, 16, generator=gen)
+    sizes = torch.full((40,), 8)
+    score = criticality(q, kmin, kmax, sizes)
+    assert torch.equal(score.argsort(), bound_scores(q, kmin, kmax).flatten().argsort())
+    assert torch.allclose(criticality(q * 50, kmin, kmax, sizes), score, atol=1e-4)
+
+
+def test_criticality_lets_a_standout_chunk_of_a_tight_head_beat_a_loose_head():
+    # head 0: loose bounds everywhere (large, varied scores); head 1: tight bounds, one chunk
+    # far above its others. On raw bounds head 0's best wins; per head, head 1's chunk does.
+    gen = torch.Generator().manual_seed(6)
+    m, dim = 30, 16
+    kmin = torch.randn(m, 2, dim, generator=gen) * 0.1
+    kmax = kmin.clone()
+    kmax[:, 0] += 20 * torch.rand(m, dim, generator=gen)
+    q = torch.ones(2, dim)
+    kmin[7, 1] += 1.0
+    kmax[7, 1] += 1.0
+    sizes = torch.full((m,), 8)
+    assert int(chunk_scores(q, kmin, kmax)[1].argmax()) != 7
+    assert int(criticality(q, kmin, kmax, sizes).argmax()) == 7
+
+
+def test_criticality_charges_a_chunk_for_its_size_and_handles_edge_cases():
+    gen = torch.Generator().manual_seed(7)
+    kmin = torch.randn(1, 2, 8, generator=gen).repeat(6, 1, 1)
+    kmax = kmin + 1
+    kmin[0] -= 1  # chunk 0 is looser than the others
+    q = torch.randn(4, 8, generator=gen)
+    score = criticality(q, kmin, kmax, torch.tensor([8, 8, 64, 8, 8, 8]))
+    assert score[2] < score[1] and torch.allclose(score[1], score[3])
+    assert criticality(q, kmin[:1], kmax[:1], torch.tensor([8])).tolist() == [0.0]
+    assert criticality(q, kmin[:0], kmax[:0], torch.zeros(0, dtype=torch.long)).shape == (0,)
 
 
 def test_bad_inputs_raise():

@@ -1,12 +1,14 @@
 """Device and host tiers: budgets under random workloads, copies, pinning."""
 from __future__ import annotations
 
+import mmap
 import random
 
 import pytest
 import torch
 
-from tierkv.storage import DeviceTier, HostTier, RecordKey, TierFullError
+from conftest import block_for
+from tierkv.storage import DeviceTier, HostTier, KVBlock, RecordKey, TierFullError, host
 
 
 def _random_workload(tier, make_block, seed: int, steps: int = 300) -> None:
@@ -92,3 +94,51 @@ def test_cuda_tiers(make_block, blocks_equal):
     assert host.get(key).keys.is_pinned()
     device.put(key, host.get(key))
     assert device.get(key).keys.is_cuda and blocks_equal(device.get(key), make_block(key))
+
+
+def _big(key: RecordKey) -> KVBlock:
+    """A block of 1 MiB: over host.MAPPED_MIN_BYTES."""
+    return block_for(key, layers=2, kv_heads=8, head_dim=128)
+
+
+def test_host_maps_big_blocks(blocks_equal):
+    tier = HostTier("8MB")
+    big, small = RecordKey("doc", 0, 0, 64), RecordKey("doc", 0, 64, 68)
+    tier.put(big, _big(big))
+    tier.put(small, block_for(small))
+    stored = tier.get(big)
+    assert blocks_equal(stored, _big(big)) and blocks_equal(tier.get(small), block_for(small))
+    assert stored.keys.data_ptr() % mmap.PAGESIZE == 0  # the start of its own map
+    assert stored.values.data_ptr() - stored.keys.data_ptr() == stored.keys.nbytes
+    assert tier._mapped == {big}
+    tier.put(big, block_for(big))  # replaced by a small block: back on the heap
+    assert tier._mapped == set() and blocks_equal(tier.get(big), block_for(big))
+    other = RecordKey("doc", 0, 128, 192)
+    tier.put(other, _big(other))
+    assert tier._mapped == {other}
+    tier.remove(other)
+    assert tier._mapped == set()
+    assert tier.used == block_for(big).nbytes + block_for(small).nbytes
+
+
+def test_host_map_count_is_capped(monkeypatch, blocks_equal):
+    monkeypatch.setattr(host, "MAX_MAPS", 1)
+    tier = HostTier("8MB")
+    a, b = RecordKey("doc", 0, 0, 64), RecordKey("doc", 0, 64, 128)
+    tier.put(a, _big(a))
+    tier.put(b, _big(b))
+    assert tier._mapped == {a} and blocks_equal(tier.get(b), _big(b))
+    tier.remove(a)
+    tier.put(a, _big(a))
+    assert tier._mapped == {a}
+    tier.close()
+    assert tier._mapped == set()
+
+
+def test_mapped_copy_is_a_copy():
+    key = RecordKey("doc", 0, 0, 64)
+    block = _big(key)
+    copy = host.mapped_copy(block)
+    block.keys.zero_()
+    assert torch.equal(copy.keys, _big(key).keys) and torch.equal(copy.values, _big(key).values)
+    assert copy.keys.dtype == block.keys.dtype and copy.keys.shape == block.keys.shape

@@ -86,3 +86,46 @@ def scored_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     probs = _probs(q, k, scaling, allowed, bias)
     out = probs.to(v.dtype) @ v.unsqueeze(1)
     return out.reshape(q.shape), probs[:, :, 0]
+
+
+class DecodeAccumulator:
+    """Decode attention of one query token over keys and values that arrive in parts (tiers,
+    fetch batches), merged by log-sum-exp: once every part is added, ``result()`` is the
+    attention over all of them together, without concatenating them.
+
+    Each part is attended once in fp32; fp16 / bf16 parts are converted first (on a CPU, fp16
+    matrix products are several times slower than converting and multiplying in fp32).
+
+    Parameters
+    ----------
+    q : Tensor, shape (..., q_heads, head_dim); leading dims (e.g. layers) batch independent
+        attentions.
+    scaling : the softmax scale.
+    """
+
+    def __init__(self, q: torch.Tensor, scaling: float):
+        self._q = q.float() * scaling
+        self._top = self._sum = self._out = None
+
+    def add(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Attend to one part: ``k``, ``v`` of shape (..., kv_heads, n, head_dim), n >= 1, with
+        q's leading dims; q_heads = kv_heads * g (query head ``h`` reads kv head ``h // g``)."""
+        *lead, kv_heads, _, dim = k.shape
+        qg = self._q.reshape(*lead, kv_heads, -1, dim)
+        scores = qg @ k.float().transpose(-1, -2)  # (..., kv_heads, g, n)
+        top = scores.amax(dim=-1, keepdim=True)
+        if self._top is not None:
+            top = torch.maximum(top, self._top)
+        probs = scores.sub_(top).exp_()
+        out, total = probs @ v.float(), probs.sum(dim=-1, keepdim=True)
+        if self._top is not None:
+            decay = (self._top - top).exp_()
+            out.add_(self._out * decay)
+            total.add_(self._sum * decay)
+        self._top, self._sum, self._out = top, total, out
+
+    def result(self) -> torch.Tensor:
+        """The attention output, shape (..., q_heads, 1, head_dim), fp32."""
+        if self._out is None:
+            raise ValueError("DecodeAccumulator.result: no part was added")
+        return (self._out / self._sum).reshape(*self._q.shape[:-1], 1, self._q.shape[-1])

@@ -4,12 +4,17 @@ A chunk's summary is the per-head, per-dimension minimum and maximum of its keys
 stored). For a query ``q`` and every key ``k`` of the chunk,
 ``q . k <= sum_d max(q_d * kmin_d, q_d * kmax_d)``, so a chunk can be ranked without reading it.
 
+The bound is computed as ``q+ . kmax + q- . kmin`` (``q+``, ``q-``: the positive and negative
+parts of ``q``), two matrix products straight from the summaries, with no elementwise pass over
+them but the one that gives ``max(|kmin|, |kmax|)`` for the slack below.
+
 Everything is computed in fp32: fp16 and bf16 keys convert to fp32 exactly, so ``kmin``/``kmax``
-are exact. The bound's own sum and anyone's fp32 dot product ``q . k`` each carry a rounding
-error of at most ``gamma_d * sum_d |q_d| max(|kmin_d|, |kmax_d|)`` with
-``gamma_d = d u / (1 - d u)``, ``u = 2**-24``; the score's own centre/radius form adds about
-twice that, so it adds ``4 gamma_(d+4)`` times the scale and stays an upper bound of the
-*computed* ``q . k`` as well as of the exact one.
+are exact. The bound's two d-term sums (each ``d`` contributes to one of them) and anyone's fp32
+dot product ``q . k`` each carry a rounding error of at most
+``gamma_(d+1) * sum_d |q_d| max(|kmin_d|, |kmax_d|)`` with ``gamma_d = d u / (1 - d u)``,
+``u = 2**-24``; the bound adds ``4 gamma_(d+4)`` times that scale, which covers both and the
+slack's own rounding, so it stays an upper bound of the *computed* ``q . k`` as well as of the
+exact one.
 """
 from __future__ import annotations
 
@@ -51,8 +56,9 @@ def summarize(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     kmin, kmax : Tensor, shape (kv_heads, head_dim), fp32.
     """
     _check_keys(keys)
-    k = keys.float()
-    return k.amin(dim=1), k.amax(dim=1)
+    # min and max are exact in the keys' own dtype: converting the results, not the keys, needs
+    # no chunk-sized temporary (one per chunk fragments the heap of a long write loop)
+    return keys.amin(dim=1).float(), keys.amax(dim=1).float()
 
 
 def segment_minmax(kmin: torch.Tensor, kmax: torch.Tensor, bounds: torch.Tensor
@@ -144,14 +150,20 @@ def bound_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) ->
     Returns
     -------
     Tensor, shape (m, kv_heads, g), fp32: ``sum_d max(q_d kmin_d, q_d kmax_d)``, computed as
-    ``q . c + |q| . r`` (centre ``c``, radius ``r`` of each interval), plus the fp32 rounding
-    slack ``4 gamma * |q| . max(|kmin|, |kmax|)`` (module docstring).
+    ``q+ . kmax + q- . kmin``, plus the fp32 rounding slack
+    ``4 gamma * |q| . max(|kmin|, |kmax|)`` (module docstring).
     """
     q = _grouped_query(query, kmin)
     lo, hi = kmin.float(), kmax.float()
-    centre, radius = (lo + hi) * 0.5, (hi - lo) * 0.5
-    slack = 4 * _gamma(q.shape[-1]) * torch.maximum(lo.abs(), hi.abs())
-    return _group_product(q, centre) + _group_product(q.abs(), radius + slack)
+    bound = _group_product(q.clamp(min=0), hi) + _group_product(q.clamp(max=0), lo)
+    slack = _group_product(q.abs(), _magnitude(lo, hi))
+    return bound.add_(slack, alpha=4 * _gamma(q.shape[-1]))
+
+
+def _magnitude(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """``max(|lo|, |hi|)`` elementwise for ``lo <= hi``, as ``max(hi, -lo)``: one new tensor."""
+    out = lo.neg()
+    return torch.maximum(out, hi, out=out)
 
 
 def rounding_margin(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
@@ -161,7 +173,7 @@ def rounding_margin(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor)
     up to this much, so pruning keeps a node when ``score + margin >= threshold``.
     """
     q = _grouped_query(query, kmin)
-    kabs = torch.maximum(kmin.float().abs(), kmax.float().abs())
+    kabs = _magnitude(kmin.float(), kmax.float())
     return 8 * _gamma(q.shape[-1]) * _group_product(q.abs(), kabs).amax(dim=(1, 2))
 
 
@@ -181,3 +193,36 @@ def chunk_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor
     """
     per_head = bound_scores(query, kmin, kmax).amax(dim=2)
     return per_head, per_head.amax(dim=1)
+
+
+def criticality(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, sizes: torch.Tensor,
+                scale: float | None = None) -> torch.Tensor:
+    """Quest's chunk criticality, estimated per query head and compared across heads.
+
+    Every query head estimates a chunk's attention mass from its bound of the largest logit,
+    ``scale * bound - log(size)`` (for equal-size chunks: Quest's ranking by the bound; a large
+    chunk pays for the tokens it brings, as in ``select.select_by_query``). Each head's estimates
+    are then standardised over the chunks (mean 0, standard deviation 1) and a chunk scores its
+    best over all query heads. The bounds of one head are offset by a slack that differs from
+    head to head by several times (it grows with the spread of the keys in the dimensions the
+    query weighs), so on raw bounds the loosest heads take the budget and a retrieval head's
+    chunk, whose own bound stands far above that head's other chunks, ranks low. Standardising
+    keeps every head's own ranking; for equal-size chunks it is unchanged when a head's query
+    is scaled.
+
+    Parameters
+    ----------
+    query : Tensor, shape (q_heads, head_dim).
+    kmin, kmax : Tensor, shape (m, kv_heads, head_dim).
+    sizes : LongTensor, shape (m,), tokens per chunk.
+    scale : the attention's logit scale, ``head_dim ** -0.5`` by default.
+
+    Returns
+    -------
+    Tensor, shape (m,), fp32: higher is more critical.
+    """
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    estimate = bound_scores(query, kmin, kmax).flatten(1) * scale - sizes.float().log()[:, None]
+    centred = estimate - estimate.mean(dim=0)
+    spread = centred.square().mean(dim=0).sqrt().clamp(min=torch.finfo(torch.float32).eps)
+    return (centred / spread).amax(dim=1)
