@@ -8,10 +8,21 @@
   argmax equals the reference, pooled over the contexts.
 * ``passkey_acc``: ~1K-token documents with a planted pass key (3 / 10 seeded cases), greedy
   7 new tokens; correct when the key is in the output.
-* ``ms_per_token``: mean wall time of one teacher-forced decode step.
+* ``ms_per_token``: mean wall time of one teacher-forced decode step. Decoding runs on one
+  intra-op thread (``DECODE_THREADS``): its operations are small, and with two threads on a
+  shared 2-core machine most of a step went to waiting at thread barriers (measured 3.3 s
+  against 0.33 s per ``leoam`` step under load). Prefills keep torch's thread count.
 
 ``full`` does not depend on the budget: it runs once and is reported at each budget.
 A policy that raises is recorded as ``{"error": ...}`` and the bench goes on.
+
+Prefill is exact whatever the policy and budget, so each prompt is prefilled once per *prefill
+class* (policies whose caches group layers and cut chunks alike), saved, and reopened for every
+policy and budget of the class, its records moved back to the host tier where a fresh prefill
+leaves them. A pass-key prompt is saved without its last ``PASSKEY_TAIL`` tokens, which
+``generate`` then prefills (exactly, being several) before it decodes. ``h2o`` keeps state of
+its own from the prefill (accumulated attention) that a saved document does not hold: it
+prefills every prompt itself.
 
     python -m bench.quality [--quick]   ->  bench/results/quality.json
 """
@@ -20,7 +31,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import tempfile
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -36,6 +50,8 @@ BUDGET_FREE = ("full",)
 BUDGETS = (0.05, 0.1, 0.25)
 PASSKEY_TOKENS = 1000
 PASSKEY_NEW = 7
+PASSKEY_TAIL = 2
+DECODE_THREADS = 1
 MIN_DEVICE = 8 * 2**20
 
 
@@ -60,10 +76,65 @@ def device_budget(shape: KVShape, context: int, budget: float) -> int:
     return max(MIN_DEVICE, 2 * layer_kv + int(budget * shape.kv_bytes(context)))
 
 
-def open_cache(model, policy: str, context: int, budget: float) -> TieredCache:
+def tier_config(model, context: int, budget: float, disk_dir: Path | None = None) -> TierConfig:
     shape = KVShape.from_config(model.config, dtype=model.dtype)
-    config = TierConfig(device_budget=device_budget(shape, context, budget), host_budget="4GiB")
-    return TieredCache(model, config, policy, select=SelectConfig(budget=budget))
+    return TierConfig(device_budget=device_budget(shape, context, budget), host_budget="4GiB",
+                      disk_dir=disk_dir)
+
+
+def open_cache(model, policy: str, context: int, budget: float) -> TieredCache:
+    return TieredCache(model, tier_config(model, context, budget), policy,
+                       select=SelectConfig(budget=budget))
+
+
+def prefill_class(cache: TieredCache) -> tuple | None:
+    """What a prefill leaves in ``cache`` that another policy's cache can reopen: its layer
+    groups and chunk size. None when the policy also keeps prefill state of its own."""
+    if cache.policy.wants_prefill_mass:
+        return None
+    return tuple(cache.groups), cache.policy.chunk_tokens
+
+
+def hold_on_host(cache: TieredCache) -> None:
+    """Keep a host copy of every record of a reopened document (``KVStore.promote``)."""
+    keys = [key for index in cache.indexes for key in index.keys]
+    for key, block in zip(keys, cache.store.fetch(keys, "cpu")):
+        cache.store.promote(key, block, 0.0)
+
+
+class Prefills:
+    """Prompts prefilled once per prefill class, saved under ``root``, reopened for each run."""
+
+    def __init__(self, model, root: Path):
+        self.model, self.root = model, root
+        self.saved: dict[tuple, Path] = {}
+
+    def cache(self, policy: str, name: str, ids: torch.Tensor, budget: float, tail: int = 0
+              ) -> TieredCache:
+        """A cache of ``policy`` at ``budget`` for the prompt ``name`` (``ids``, (1, n)), holding
+        its first ``n - tail`` tokens; the caller's forward feeds the rest. A policy with prefill
+        state of its own gets a fresh cache holding all of ``ids``, or none of them when
+        ``tail`` (its state must come from one prefill of the whole prompt, as in ``generate``).
+        """
+        n = ids.shape[1]
+        cache = open_cache(self.model, policy, n, budget)
+        kind = prefill_class(cache)
+        path = None if kind is None else self.saved.get((name, kind))
+        if path is None:
+            try:
+                if kind is not None or not tail:
+                    self.model(ids[:, :n - tail], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                if kind is not None:
+                    self.saved[(name, kind)] = cache.save(self.root / str(len(self.saved)))
+            except BaseException:
+                cache.close()
+                raise
+            return cache
+        cache.close()
+        cache = TieredCache.open(self.model, path, tier_config(self.model, n, budget, path), policy,
+                                 select=SelectConfig(budget=budget))
+        hold_on_host(cache)
+        return cache
 
 
 def continuation_case(tok, context: int, continuation: int, seed: int):
@@ -82,15 +153,26 @@ def reference_argmax(model, ctx: torch.Tensor, cont: torch.Tensor) -> torch.Tens
     return logits[0].argmax(-1)
 
 
-def teacher_forced(model, cache: TieredCache, ctx: torch.Tensor, cont: torch.Tensor):
-    """Prefill ``ctx`` into ``cache``, feed ``cont`` one token at a time: (argmax (n,), seconds)."""
-    model(ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
+@contextmanager
+def decode_threads():
+    """Run the block on ``DECODE_THREADS`` intra-op threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(DECODE_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def teacher_forced(model, cache: TieredCache, cont: torch.Tensor):
+    """Feed ``cont`` to a prefilled ``cache`` one token at a time: (argmax (n,), seconds)."""
     preds, seconds = [], 0.0
-    for token in cont:
-        t0 = time.perf_counter()
-        logits = model(token.view(1, 1), past_key_values=cache, use_cache=True).logits
-        preds.append(logits[0, -1].argmax())
-        seconds += time.perf_counter() - t0
+    with decode_threads():
+        for token in cont:
+            t0 = time.perf_counter()
+            logits = model(token.view(1, 1), past_key_values=cache, use_cache=True).logits
+            preds.append(logits[0, -1].argmax())
+            seconds += time.perf_counter() - t0
     return torch.stack(preds), seconds
 
 
@@ -104,26 +186,26 @@ def passkey_cases(tok, n: int) -> list[tuple[torch.Tensor, str]]:
     return cases
 
 
-def passkey_run(model, tok, cases, policy: str, budget: float) -> float:
+def passkey_run(model, tok, cases, policy: str, budget: float, prefills: Prefills) -> float:
     outputs = []
-    for ids, _ in cases:
-        with open_cache(model, policy, ids.shape[1], budget) as cache:
+    for i, (ids, _) in enumerate(cases):
+        with prefills.cache(policy, f"passkey{i}", ids, budget, PASSKEY_TAIL) as cache, decode_threads():
             out = model.generate(ids, max_new_tokens=PASSKEY_NEW, do_sample=False, past_key_values=cache)
         outputs.append(tok.decode(out[0, ids.shape[1]:]))
     return passkey_accuracy(outputs, [answer for _, answer in cases])
 
 
-def measure(model, tok, policy: str, budget: float, texts, cases) -> dict:
+def measure(model, tok, policy: str, budget: float, texts, cases, prefills: Prefills) -> dict:
     """One policy at one budget: agreement over ``texts`` (ctx, cont, ref), pass-key accuracy, ms."""
     agree, steps, seconds, by_context = 0.0, 0, 0.0, {}
     for ctx, cont, ref in texts:
-        with open_cache(model, policy, ctx.shape[1], budget) as cache:
-            preds, secs = teacher_forced(model, cache, ctx, cont)
+        with prefills.cache(policy, f"context{ctx.shape[1]}", ctx, budget) as cache:
+            preds, secs = teacher_forced(model, cache, cont)
         by_context[str(ctx.shape[1])] = round(top1_agreement(preds, ref), 4)
         agree += (preds == ref).sum().item()
         steps, seconds = steps + cont.numel(), seconds + secs
     return {"top1_agreement": round(agree / steps, 4), "top1_by_context": by_context,
-            "passkey_acc": round(passkey_run(model, tok, cases, policy, budget), 4),
+            "passkey_acc": round(passkey_run(model, tok, cases, policy, budget, prefills), 4),
             "ms_per_token": round(1000 * seconds / steps, 2)}
 
 
@@ -134,18 +216,20 @@ def safe_measure(*args) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def run_policy(model, tok, policy: str, texts, cases) -> dict:
+def run_policy(model, tok, policy: str, texts, cases, prefills: Prefills) -> dict:
     if policy in BUDGET_FREE:
-        once = {**safe_measure(model, tok, policy, BUDGETS[0], texts, cases), "budget_independent": True}
+        once = {**safe_measure(model, tok, policy, BUDGETS[0], texts, cases, prefills),
+                "budget_independent": True}
         return {str(b): dict(once) for b in BUDGETS}
-    return {str(b): safe_measure(model, tok, policy, b, texts, cases) for b in BUDGETS}
+    return {str(b): safe_measure(model, tok, policy, b, texts, cases, prefills) for b in BUDGETS}
 
 
 def warm_up(model, tok) -> None:
     ctx, cont = continuation_case(tok, 256, 4, seed=999)
     reference_argmax(model, ctx, cont)
     with open_cache(model, "tierkv", 256, 0.25) as cache:
-        teacher_forced(model, cache, ctx, cont)
+        model(ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        teacher_forced(model, cache, cont)
 
 
 def table(results: dict) -> str:
@@ -174,14 +258,15 @@ def main(argv=None) -> dict:
     model, tok = load_model("smollm2-135m")
     result = {"policies": {}, "context_tokens": list(contexts), "continuation_tokens": n_cont,
               "passkey_cases": n_cases, "passkey_tokens": PASSKEY_TOKENS, "quick": args.quick,
-              "model": "smollm2-135m"}
-    with torch.no_grad():
+              "decode_threads": DECODE_THREADS, "model": "smollm2-135m"}
+    with torch.no_grad(), tempfile.TemporaryDirectory(prefix="tierkv-quality-") as root:
         warm_up(model, tok)
         texts = [(ctx, cont, reference_argmax(model, ctx, cont))
                  for ctx, cont in (continuation_case(tok, c, n_cont, seed=c) for c in contexts)]
         cases = passkey_cases(tok, n_cases)
+        prefills = Prefills(model, Path(root))
         for policy in POLICIES:
-            result["policies"][policy] = run_policy(model, tok, policy, texts, cases)
+            result["policies"][policy] = run_policy(model, tok, policy, texts, cases, prefills)
             wall = time.perf_counter() - started
             print(f"{policy} at {wall:.0f} s: {json.dumps(result['policies'][policy])}", flush=True)
             # written after each policy: a long (full) run keeps what it has measured so far

@@ -13,13 +13,15 @@ def _no_keys(start: int, end: int) -> None:
 
 @register
 class LeoAM(Quest):
-    """Like ``quest``, on adaptive chunks: each layer ranks its tree's leaves by their LKA bound,
-    attends exactly over what it fetched, and folds that attention back into the tree: cold runs
-    merge (IAKM), up to a quarter of the budget.
+    """Like ``quest``, on adaptive chunks: each layer ranks its tree's leaves by their LKA
+    criticality (``summary.criticality``: a merged leaf pays for its size), attends exactly over
+    what it fetched, and folds that attention back into the tree: cold runs merge (IAKM), up to
+    a quarter of the budget.
 
-    Leaves do not split here. A split gives the hot leaf's halves tighter, hence lower, bounds,
-    and the hot region then loses the bound ranking to looser cold leaves: measured, it broke
-    pass-key retrieval. ``tierkv`` ranks by exact filter-layer mass and does split.
+    Chunks are sealed at the smallest leaf size (``ChunkConfig.min``) and leaves only grow, by
+    merging deserts: small leaves have tight bounds and are what a small budget can hold (see
+    ``quest``). A merged leaf does not split back here (no keys are passed to ``adapt``).
+    ``tierkv`` ranks by exact filter-layer mass and does split.
     """
 
     name = "leoam"
@@ -31,7 +33,7 @@ class LeoAM(Quest):
 
     @property
     def chunk_tokens(self) -> int:
-        return self.chunks.base
+        return self.chunks.min
 
     def fetch(self, cache, layer, q):
         leaves = super().fetch(cache, layer, q)
