@@ -156,6 +156,9 @@ def print_table(cases: dict) -> None:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2K tokens, 16 decode steps")
+    parser.add_argument("--cases", nargs="+", choices=("brute_offload",) + SPARSE,
+                        help="run only these cases beside full_memory (for profiling; the "
+                             "result file is not written)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     tokens, steps = (2048, 16) if args.quick else (8192, 64)
@@ -168,13 +171,18 @@ def main(argv=None) -> dict:
         warm_up(model, tok, root)
         cases = {}
         cases["full_memory"], ref = full_memory_case(model, ids, steps)
-        cases["brute_offload"] = tiered_case(model, ids, ref, steps, "full", device, BRUTE_HOST,
-                                             root / "brute")
-        for policy in SPARSE:
+        wanted = args.cases or ("brute_offload",) + SPARSE
+        if "brute_offload" in wanted:
+            cases["brute_offload"] = tiered_case(model, ids, ref, steps, "full", device, BRUTE_HOST,
+                                                 root / "brute")
+        for policy in (p for p in SPARSE if p in wanted):
             cases[policy] = tiered_case(model, ids, ref, steps, policy, device, host, root / policy)
             print(f"{policy}: {cases[policy].get('ms_per_token', 'error')} ms/token", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    if args.cases:
+        print_table(cases)
+        return {"cases": cases}
     tk, full, brute = cases["tierkv"], cases["full_memory"], cases["brute_offload"]
     ok = "error" not in tk
     result = {"config": {"tokens": tokens, "steps": steps, "model": "smollm2-135m",

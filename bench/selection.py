@@ -16,8 +16,10 @@ each decode step measures:
 * ``adaptive_vs_fixed_bytes``: tokens (hence bytes) fetched outside the sinks and window to
   capture the mass ``fixed64`` captures at the budget, adaptive / fixed, leaves ranked by
   exact-score density (the filter-layer path); ``bytes(lka)``: the same with the LKA key;
-* summaries scored per step (pruned search; exhaustive = leaves), the desert fraction (tokens in
-  cold leaves), and the bookkeeping time of one layer.
+* summaries scored per step (every leaf), the desert fraction (tokens in cold leaves), and the
+  bookkeeping time of one layer;
+* ``bound_mass_recall`` and ``evaluations_per_step_bound_pruned``: the same for Quest's bound
+  ranking found by the tree's pruned search (``select_by_bound``), the ranking used before.
 
 Run: ``python -m bench.selection [--quick]``.
 """
@@ -36,8 +38,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from bench.common import RESULTS, write_result  # noqa: E402
 from tierkv.config import ChunkConfig, SelectConfig  # noqa: E402
 from tierkv.select import (adaptation_mass, adaptation_scores, leaf_costs,  # noqa: E402
-                           select_by_query, select_by_scores)
-from tierkv.summary import chunk_scores  # noqa: E402
+                           query_keys, select_by_bound, select_by_query, select_by_scores)
 from tierkv.tree import ChunkTree  # noqa: E402
 
 FIXED = ChunkConfig(min=64, base=64, max=64)
@@ -144,16 +145,17 @@ def step_metrics(trees: dict, query, probs) -> dict:
     ctx = probs.numel()
     out = {"oracle_mass": float(probs.topk(SELECT.tokens(ctx)).values.sum())}
     for name, tree in trees.items():
-        lka = select_by_query(tree, query, SELECT, ctx, prune=True)
+        lka = select_by_query(tree, query, SELECT, ctx)
         out[f"{name}/lka_mass"] = float(probs[lka.tokens].sum())
         out[f"{name}/evaluations"] = lka.evaluations
-        out[f"{name}/leaves"] = tree.num_leaves
+        bound = select_by_bound(tree, query, SELECT, ctx, prune=True)
+        out[f"{name}/bound_mass"] = float(probs[bound.tokens].sum())
+        out[f"{name}/bound_evaluations"] = bound.evaluations
         out[f"{name}/chunk_mass"] = float(probs[select_by_scores(tree, probs, SELECT).tokens].sum())
     for name, tree in trees.items():  # the two selection keys of tierkv.select
-        costs = leaf_costs(tree, ctx, SELECT).clamp(min=1)
-        scale = tree.head_dim ** -0.5
-        estimate = chunk_scores(query * scale, tree.kmin, tree.kmax)[1] - costs.float().log()
-        density = adaptation_mass(tree, probs, SELECT) / costs
+        costs = leaf_costs(tree, ctx, SELECT)
+        estimate = query_keys(tree, query, costs)
+        density = adaptation_mass(tree, probs, SELECT) / costs.clamp(min=1)
         out[f"{name}/exact_fetched"] = fetched_to_reach(tree, density, probs,
                                                         out["fixed64/chunk_mass"])
         out[f"{name}/lka_fetched"] = fetched_to_reach(tree, estimate, probs,
@@ -185,10 +187,9 @@ def bookkeeping_ms(tree: ChunkTree, query, probs, keys, repeat: int = 20) -> dic
     """Wall time of one layer's per-step work: LKA selection, exact selection + update."""
     ctx = probs.numel()
     timings = {}
-    for name, fn in (("lka_select_exhaustive",
-                      lambda: select_by_query(tree, query, SELECT, ctx, prune=False)),
-                     ("lka_select_pruned",
-                      lambda: select_by_query(tree, query, SELECT, ctx, prune=True)),
+    for name, fn in (("lka_select", lambda: select_by_query(tree, query, SELECT, ctx)),
+                     ("bound_select_pruned",
+                      lambda: select_by_bound(tree, query, SELECT, ctx, prune=True)),
                      ("exact_select_and_update", lambda: adapt(tree, probs, keys))):
         fn()
         t0 = time.perf_counter()
@@ -208,6 +209,7 @@ def summarize_case(per_layer: list[list[dict]], trees: list[ChunkTree], name: st
 
     recall = [mean(s, f"{name}/lka_mass") / mean(s, "oracle_mass") for s in per_layer]
     chunk = [mean(s, f"{name}/chunk_mass") / mean(s, "oracle_mass") for s in per_layer]
+    bound = [mean(s, f"{name}/bound_mass") / mean(s, "oracle_mass") for s in per_layer]
     return {
         "lka_mass_recall": sum(recall) / len(recall),
         "lka_mass_recall_layers_2plus": sum(recall[2:]) / len(recall[2:]),
@@ -217,8 +219,9 @@ def summarize_case(per_layer: list[list[dict]], trees: list[ChunkTree], name: st
             sum(mean(s, "fixed64/exact_fetched") for s in per_layer), 1),
         "vs_fixed64_bytes_lka_ranking": total("lka_fetched") / max(
             sum(mean(s, "fixed64/lka_fetched") for s in per_layer), 1),
-        "evaluations_per_step_pruned": total("evaluations"),
-        "evaluations_per_step_exhaustive": total("leaves"),
+        "evaluations_per_step": total("evaluations"),
+        "bound_mass_recall": sum(bound) / len(bound),
+        "evaluations_per_step_bound_pruned": total("bound_evaluations"),
         "leaves_per_layer": [t.num_leaves for t in trees],
         "desert_fraction": [round(float(t.sizes[t.cold > 0].sum()) / t.n, 4) for t in trees],
     }
@@ -230,9 +233,7 @@ def summarize_document(per_layer: list[list[dict]], trees: list[dict]) -> dict:
     return {
         "lka_mass_recall": head["lka_mass_recall"],
         "adaptive_vs_fixed_bytes": head["vs_fixed64_bytes_exact_ranking"],
-        "evaluations_per_step": {"adaptive_pruned": head["evaluations_per_step_pruned"],
-                                 "fixed64_exhaustive": cases["fixed64"][
-                                     "evaluations_per_step_exhaustive"]},
+        "evaluations_per_step": {name: c["evaluations_per_step"] for name, c in cases.items()},
         "desert_fraction": head["desert_fraction"],
         "cases": cases,
     }
@@ -296,13 +297,14 @@ def main(argv=None) -> None:
 def report(prompt: int, doc: dict) -> None:
     print(f"--- {prompt} tokens, budget {SELECT.budget:.0%} ({doc['seconds']:.0f} s)")
     print(f"{'case':14s} {'lka_recall':>10s} {'layers2+':>9s} {'chunk_orc':>9s} "
-          f"{'bytes/fixed':>11s} {'bytes(lka)':>10s} {'evals_pruned':>12s} {'leaves':>7s}")
+          f"{'bytes/fixed':>11s} {'bytes(lka)':>10s} {'evals':>7s} {'bound_rec':>9s} "
+          f"{'evals_prn':>9s}")
     for name, c in doc["cases"].items():
         print(f"{name:14s} {c['lka_mass_recall']:10.3f} {c['lka_mass_recall_layers_2plus']:9.3f} "
               f"{c['chunk_oracle_recall']:9.3f} {c['vs_fixed64_bytes_exact_ranking']:11.3f} "
               f"{c['vs_fixed64_bytes_lka_ranking']:10.3f} "
-              f"{c['evaluations_per_step_pruned']:12.0f} "
-              f"{c['evaluations_per_step_exhaustive']:7.0f}")
+              f"{c['evaluations_per_step']:7.0f} {c['bound_mass_recall']:9.3f} "
+              f"{c['evaluations_per_step_bound_pruned']:9.0f}")
     print("bookkeeping ms / layer:", doc["bookkeeping_ms_per_layer"])
 
 

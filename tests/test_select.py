@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from tierkv.config import ChunkConfig, SelectConfig
-from tierkv.select import leaf_costs, select_by_query, select_by_scores
+from tierkv.select import leaf_costs, select_by_bound, select_by_query, select_by_scores
 from tierkv.tree import ChunkTree
 
 KV, DIM = 3, 16
@@ -22,7 +22,7 @@ def random_tree(gen, n=2000, config=ChunkConfig(min=4, base=16, max=32)):
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_pruned_search_selects_what_exhaustive_does(seed):
+def test_bound_pruned_search_selects_what_exhaustive_does(seed):
     gen = torch.Generator().manual_seed(seed)
     tree = random_tree(gen)
     saved = 0
@@ -34,13 +34,25 @@ def test_pruned_search_selects_what_exhaustive_does(seed):
                               sinks=int(torch.randint(0, 9, (1,), generator=gen)),
                               window=int(torch.randint(1, 200, (1,), generator=gen)))
         context = tree.n + int(torch.randint(0, 50, (1,), generator=gen))
-        exact = select_by_query(tree, query, config, context, prune=False)
-        pruned = select_by_query(tree, query, config, context, prune=True)
+        exact = select_by_bound(tree, query, config, context, prune=False)
+        pruned = select_by_bound(tree, query, config, context, prune=True)
         assert torch.equal(exact.leaves, pruned.leaves)
         assert torch.equal(exact.tokens, pruned.tokens)
         if case % 2:
             saved += exact.evaluations - pruned.evaluations
     assert saved > 0  # at small budgets pruning skips subtrees on this data
+
+
+def test_query_prefers_a_tight_hot_leaf_to_a_wide_one():
+    # leaf 0's keys spread over [-10, 10]: its bound (10 * 2) is far above leaf 1's (2 * 2), but
+    # its centre is 0, and attention reads leaf 1, whose every key scores 4
+    tree = ChunkTree(ChunkConfig(min=1, base=8, max=64), 1, 2)
+    wide = torch.linspace(-10, 10, 8)[None, :, None].expand(1, 8, 2)
+    tree.append_keys(wide.contiguous(), 0)
+    tree.append_keys(torch.full((1, 8, 2), 2.0), 1)
+    config = SelectConfig(budget=9, sinks=0, window=1)  # the window token and one leaf
+    sel = select_by_query(tree, torch.tensor([[1.0, 1.0]]), config, context=17, scale=1.0)
+    assert sel.leaves.tolist() == [1] and sel.evaluations == 2
 
 
 def expected_tokens(tree, leaves, context, config):
@@ -103,7 +115,7 @@ def test_query_ranks_by_estimated_density():
     assert sel.leaves.tolist() == [1]
 
 
-def test_query_ranks_by_bound():
+def test_query_ranks_by_centre_logit():
     tree = ChunkTree(ChunkConfig(min=1, base=8, max=64), 1, 2)
     for value in (1.0, 5.0, 3.0):
         tree.append_keys(torch.full((1, 8, 2), value), tree.n)

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from tierkv.summary import (bound_scores, chunk_scores, criticality, merge_summaries,
-                            rounding_margin, segment_minmax, summarize, summarize_segments)
+from tierkv.summary import (attention_shares, bound_scores, chunk_scores, criticality,
+                            merge_summaries, rounding_margin, segment_minmax, summarize,
+                            summarize_segments)
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -125,6 +126,27 @@ def test_criticality_charges_a_chunk_for_its_size_and_handles_edge_cases():
     assert score[2] < score[1] and torch.allclose(score[1], score[3])
     assert criticality(q, kmin[:1], kmax[:1], torch.tensor([8])).tolist() == [0.0]
     assert criticality(q, kmin[:0], kmax[:0], torch.zeros(0, dtype=torch.long)).shape == (0,)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_attention_shares_of_one_token_chunks_are_the_mean_attention(group):
+    gen = torch.Generator().manual_seed(8)
+    keys = torch.randn(2, 50, 16, generator=gen) * 2  # 50 one-token chunks
+    q = torch.randn(2 * group, 16, generator=gen)
+    kmin, kmax = summarize_segments(keys, torch.arange(51))
+    logits = torch.einsum("hgd,hnd->hgn", q.view(2, group, 16), keys) * 16 ** -0.5
+    expected = logits.softmax(-1).mean((0, 1))
+    assert torch.allclose(attention_shares(q, kmin, kmax).exp(), expected, atol=1e-6)
+    assert torch.allclose(attention_shares(q, kmin, kmax, scale=1.0).exp().sum(), torch.tensor(1.0))
+
+
+def test_attention_shares_weigh_heads_equally():
+    # head 0 (large query) is sure of chunk 0, head 1 (small query) mildly prefers chunk 1:
+    # each head holds half the estimate, so chunk 1 is not crowded out by head 0's scale
+    kmin = torch.tensor([[[1.0, 0.0]], [[0.0, 1.0]], [[0.0, 0.0]]])
+    q = torch.tensor([[100.0, 0.0], [0.0, 2.0]])
+    shares = attention_shares(q, kmin, kmin, scale=1.0).exp()
+    assert shares[0] > 0.49 and shares[1] > shares[2] and shares[1] > 0.3
 
 
 def test_bad_inputs_raise():

@@ -104,12 +104,13 @@ def _meta(disk, name: str) -> tuple[dict, dict]:
 
 
 def _layout(on_disk: dict, arrays: dict) -> dict[int, tuple[list[int], list[int]]]:
-    """Chunk bounds per group: the saved index when there is one, else the records on disk
-    with the gaps between them (ranges that were on the host or device tier)."""
-    groups = sorted(int(n[1:-len(".starts")]) for n in arrays
-                    if re.fullmatch(r"g\d+\.starts", n) and f"{n[:-7]}.ends" in arrays)
+    """Record bounds per group: the saved index's records when there is one, else the records
+    on disk with the gaps between them (ranges that were on the host or device tier). Groups
+    may seal different lengths (their records differ in size), so no group is padded."""
+    groups = sorted(int(n[1:-len(".records")]) for n in arrays if re.fullmatch(r"g\d+\.records", n))
     if groups:
-        return {g: (arrays[f"g{g}.starts"].tolist(), arrays[f"g{g}.ends"].tolist()) for g in groups}
+        cuts = {g: arrays[f"g{g}.records"].tolist() for g in groups}
+        return {g: (c[:-1], c[1:]) for g, c in cuts.items()}
     layout = defaultdict(lambda: ([], []))
     for group, start, end in sorted(on_disk):
         starts, ends = layout[group]
@@ -118,11 +119,6 @@ def _layout(on_disk: dict, arrays: dict) -> dict[int, tuple[list[int], list[int]
             ends.append(start)
         starts.append(start)
         ends.append(end)
-    sealed = max((ends[-1] for _, ends in layout.values()), default=0)
-    for starts, ends in layout.values():  # every group seals the same tokens
-        if ends[-1] < sealed:
-            starts.append(ends[-1])
-            ends.append(sealed)
     return dict(layout)
 
 

@@ -18,6 +18,8 @@ exact one.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 _KEY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -77,11 +79,15 @@ def segment_minmax(kmin: torch.Tensor, kmax: torch.Tensor, bounds: torch.Tensor
     n = kmin.shape[0]
     bounds = _check_bounds(bounds, n)
     m = bounds.numel() - 1
-    segment = torch.repeat_interleave(torch.arange(m), bounds.diff())
-    index = segment.view(n, *([1] * (kmin.dim() - 1))).expand_as(kmin)
-    shape = (m, *kmin.shape[1:])
-    lo = kmin.new_empty(shape).scatter_reduce_(0, index, kmin, "amin", include_self=False)
-    hi = kmax.new_empty(shape).scatter_reduce_(0, index, kmax, "amax", include_self=False)
+    starts, sizes = bounds[:-1], bounds.diff()
+    lo, hi = kmin[starts], kmax[starts]  # each segment's first row; only the others reduce
+    if m < n:  # (a tree merges a few leaves at a time: most segments are one row)
+        segment = torch.repeat_interleave(torch.arange(m), sizes)
+        rest = torch.ones(n, dtype=torch.bool)
+        rest[starts] = False
+        index = segment[rest].view(-1, *([1] * (kmin.dim() - 1))).expand(-1, *kmin.shape[1:])
+        lo.scatter_reduce_(0, index, kmin[rest], "amin")
+        hi.scatter_reduce_(0, index, kmax[rest], "amax")
     return lo, hi
 
 
@@ -226,3 +232,34 @@ def criticality(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, siz
     centred = estimate - estimate.mean(dim=0)
     spread = centred.square().mean(dim=0).sqrt().clamp(min=torch.finfo(torch.float32).eps)
     return (centred / spread).amax(dim=1)
+
+
+def attention_shares(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                     scale: float | None = None) -> torch.Tensor:
+    """Estimated attention each chunk receives, from its min/max box, as a log.
+
+    A query head's logit for a chunk is estimated at the centre of the chunk's box,
+    ``scale * q . (kmin + kmax) / 2``, and a softmax over the chunks turns that head's logits
+    into shares of its attention (a chunk counts as one key at its centre: weighting by its
+    size ranked worse on SmolLM2); a chunk's estimate is its mean share over the query heads,
+    as attention mass is measured (mean over heads). The upper bound (``bound_scores``) is a
+    poor estimate of mass: it exceeds the centre's logit by ``|q| . (kmax - kmin) / 2``, which
+    grows with the spread of the chunk's keys, so wide chunks and loose heads outrank the
+    chunks the attention actually reads (on SmolLM2, ``bench.selection``); per-head shares
+    also stop one head's logit scale from deciding for all heads.
+
+    Parameters
+    ----------
+    query : Tensor, shape (q_heads, head_dim), post-RoPE.
+    kmin, kmax : Tensor, shape (m, kv_heads, head_dim).
+    scale : the attention's logit scale, ``head_dim ** -0.5`` by default.
+
+    Returns
+    -------
+    Tensor, shape (m,), fp32: ``log`` of the mean over query heads of each head's share.
+    """
+    q = _grouped_query(query, kmin)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    centre = (kmin.float() + kmax.float()) * (scale / 2)
+    logits = _group_product(q, centre).flatten(1)  # (m, q_heads)
+    return logits.log_softmax(dim=0).logsumexp(dim=1) - math.log(logits.shape[1])

@@ -27,6 +27,7 @@ from ..pipeline import CompressionController, FetchPlan, Metrics, Pipeline
 from ..policies import Policy, make_policy
 from ..shapes import KVShape
 from ..storage.base import KVBlock
+from ..storage.probe import read_bandwidth
 from ..storage.store import KVStore
 from .groups import Fetch, GroupIndex
 from .prefill import prefill_attention
@@ -93,11 +94,14 @@ class TieredCache(Cache):
         self.groups = self.policy.groups()
         self.group_of = {layer: g for g, group in enumerate(self.groups) for layer in group}
         self.slot_of = {layer: i for group in self.groups for i, layer in enumerate(group)}
+        self.record_tokens = [self.policy.record_tokens(group) for group in self.groups]
         self.indexes = [GroupIndex(self.doc, g, self.shape.kv_heads, self.shape.head_dim, self.chunks)
                         for g in range(len(self.groups))]
         auto = config.codec.codec == "auto" and config.disk_dir is not None
-        self.store = KVStore(self.shape, config,
-                             CompressionController.from_config(config.codec) if auto else None)
+        controller = CompressionController.from_config(config.codec) if auto else None
+        self.store = KVStore(self.shape, config, controller)
+        if controller is not None:  # prefill writes come before any read measures the disk
+            controller.assume_disk(read_bandwidth(self.store.disk.path))
         self.device = self.store.device.device
         self.metrics = Metrics()
         self.pipeline = Pipeline(self.store, self.device, threads=min(config.io_threads, 4),
@@ -216,16 +220,17 @@ class TieredCache(Cache):
         while earlier layers compute); its bytes count against the device budget from now."""
         if not spec.keys or self._step.get(("prefetch", group), (None,))[0] == spec.keys:
             return
-        tokens = len(spec.positions) + self.spare_tokens
+        spare = self.spare_tokens(group)
+        tokens = len(spec.positions) + spare
         self.reserve(f"prefetch:{group}", tokens * self.shape.token_bytes(len(self.groups[group])))
-        handle = self.pipeline.submit(FetchPlan([(group, spec.keys)], spare=self.spare_tokens,
+        handle = self.pipeline.submit(FetchPlan([(group, spec.keys)], spare=spare,
                                                 default_importance=self._importance(group)))
         self._step[("prefetch", group)] = (spec.keys, handle)
 
-    @property
-    def spare_tokens(self) -> int:
-        """Room left after a fetch for the recent window (which decode keeps below this)."""
-        return self.select.window + self.policy.chunk_tokens
+    def spare_tokens(self, group: int) -> int:
+        """Room left after a fetch of ``group`` for the recent window (which decode keeps
+        below this)."""
+        return self.select.window + self.record_tokens[group]
 
     def selection(self, group: int) -> Fetch | None:
         """What a filter layer chose for ``group`` this step, or None (all)."""
@@ -264,7 +269,7 @@ class TieredCache(Cache):
     def _after_attention(self, layer: int, decoding: bool) -> None:
         """Move ``layer``'s sealable window tokens to host; seal the group after its last layer."""
         k, v = self._window[layer]
-        step = self.policy.chunk_tokens
+        step = self.record_tokens[self.group_of[layer]]
         movable = (k.shape[1] - self.select.window) // step * step
         if movable > 0:
             self._pending[layer].append(KVBlock(k[:, :movable].cpu(), v[:, :movable].cpu()))
@@ -287,7 +292,7 @@ class TieredCache(Cache):
         for i in layers:
             self._pending[i] = []
         index = self.indexes[g]
-        start, step = index.sealed, self.policy.chunk_tokens
+        start, step = index.sealed, self.record_tokens[g]
         bounds = [(s, s + step) for s in range(start, start + keys.shape[2], step)]
         records = index.add(bounds, keys[0])
         hot = self._importance(g)

@@ -80,6 +80,6 @@ def _group_blocks(cache, g: int):
 
 
 def _read_group(cache, g: int, keys) -> list:
-    per_record = max(1, cache.shape.token_bytes(len(cache.groups[g])) * cache.policy.chunk_tokens)
+    per_record = max(1, cache.shape.token_bytes(len(cache.groups[g])) * cache.record_tokens[g])
     step = max(1, FETCH_BATCH_BYTES // per_record)
     return [b for i in range(0, len(keys), step) for b in cache.store.fetch(keys[i:i + step], "cpu")]

@@ -140,6 +140,14 @@ class CompressionController:
         with self._lock:
             self._disk.value = nbytes / seconds
 
+    def assume_disk(self, disk_bw: float) -> None:
+        """Take ``disk_bw`` (bytes/s, e.g. ``storage.probe.read_bandwidth``) as the disk's speed
+        until reads are measured; no effect once the disk bandwidth is known."""
+        _positive("disk_bw", disk_bw)
+        with self._lock:
+            if self._disk.value is None:
+                self._disk.value = float(disk_bw)
+
     # -- decisions ----------------------------------------------------------------------
     def expected_time(self, codec: str, nbytes_raw: int) -> float | None:
         """Seconds to fetch ``nbytes_raw`` raw bytes stored with ``codec``; None if unmeasured."""

@@ -60,6 +60,10 @@ class Policy:
         """Tokens per sealed chunk (one record)."""
         return self.chunks.base
 
+    def record_tokens(self, group: tuple[int, ...]) -> int:
+        """Tokens per sealed record of the layer group ``group`` (its first chunking)."""
+        return self.chunk_tokens
+
     def groups(self) -> list[tuple[int, ...]]:
         return [(i,) for i in range(self.layers)]
 
@@ -76,10 +80,14 @@ class Policy:
     def observe_prefill(self, cache, layer: int, mass: torch.Tensor) -> None:
         """Called after each prefill pass of a layer, mass : Tensor, shape (kv_heads, n)."""
 
-    def budget(self, cache) -> int:
-        """Token budget of the sealed context this step (the window is attended on top)."""
+    def budget(self, cache, group: int | None = None) -> int:
+        """Token budget of the sealed context this step: ``SelectConfig.tokens`` less the recent
+        window, attended on top. With ``group``, the window is what that group's layers attend
+        unsealed this step (``window + 1`` to ``window + chunk_tokens`` tokens, the new one
+        included); without, ``SelectConfig.window``."""
         n = cache.get_seq_length()
-        return max(0, self.select.tokens(n) - self.select.window)
+        window = self.select.window if group is None else n - cache.indexes[group].sealed
+        return max(0, self.select.tokens(n) - window)
 
     def max_leaf(self, cache) -> int:
         """Largest leaf a merge may make: a quarter of the fetch budget, so merged leaves still

@@ -1,9 +1,18 @@
 """``omnikv``: filter layers score the context exactly; the layers after each reuse its selection.
 
 Layers before the first filter layer, and the filter layers, attend densely. A filter layer's
-attention over the sealed context (optionally smoothed over recent steps by the selector) is
-summed per chunk of the following layer group; the best chunks within the token budget are that
-group's fetch plan for the step (OmniKV), fetched as one packed load.
+attention over the sealed context, its largest over the query heads per token (optionally
+smoothed over recent steps by the selector), is summed per chunk of the following layer group;
+the densest chunks within the token budget are that group's fetch plan for the step (OmniKV),
+fetched as one packed load.
+
+Chunks are sealed at the smallest leaf size (``ChunkConfig.min``): the tokens a filter layer
+singles out are scattered (the earlier uses of a word, a planted fact), and a chunk brings its
+neighbours along at the same cost. Measured with ``tierkv`` on SmolLM2-135M, 2K-token generated
+documents, 10 % budget, teacher-forced (3 x 64 tokens), against full attention: top-1
+agreement 0.77 (KL 0.36) with 16-token chunks, 0.79 (0.28) with 8; scoring each token by its
+largest query-head weight instead of the sum over the heads, 0.81 (0.26): a head that singles
+a token out is not outvoted by heads spread thin.
 """
 import torch
 
@@ -12,6 +21,13 @@ from .base import Policy, keys_lookup, register
 
 # Proposed by `tierkv calibrate` for SmolLM2-135M (inter-layer attention similarity).
 DEFAULT_FILTERS = (2, 8, 16)
+# Records of the layers that always attend densely (before the first filter layer, and the one
+# after a filter layer with ``full_after_filter``): nothing selects among their chunks, so they
+# are sealed in large records and a step brings each such layer up in a few reads and copies.
+DENSE_RECORD_TOKENS = 128
+# Records of the filter layers: read whole, or (``tierkv`` on long contexts) preselected by
+# their LKA bounds with a wide margin, so coarser chunks than the selecting layers' serve them.
+FILTER_RECORD_TOKENS = 32
 
 
 @register
@@ -30,6 +46,20 @@ class OmniKV(Policy):
         self._smoothed: dict[int, torch.Tensor] = {}
         self._to_adapt: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @property
+    def chunk_tokens(self) -> int:
+        return self.chunks.min
+
+    def record_tokens(self, group):
+        if group[0] < self.filters[0] or self._full_after(group):
+            return min(self.chunks.max, max(self.chunk_tokens, DENSE_RECORD_TOKENS))
+        if group[0] in self.filters:
+            return min(self.chunks.max, max(self.chunk_tokens, FILTER_RECORD_TOKENS))
+        return self.chunk_tokens
+
+    def _full_after(self, group) -> bool:
+        return self.select.full_after_filter and len(group) == 1 and group[0] - 1 in self.filters
+
     def groups(self):
         first = self.filters[0]
         groups = [(i,) for i in range(first)]
@@ -46,8 +76,7 @@ class OmniKV(Policy):
     def is_selecting(self, cache, layer) -> bool:
         """Whether ``layer`` fetches the chunks its filter layer chose (not dense)."""
         group = cache.groups[cache.group_of[layer]]
-        return layer >= self.filters[0] and layer not in self.filters and not (
-            self.select.full_after_filter and group[0] - 1 in self.filters and len(group) == 1)
+        return layer >= self.filters[0] and layer not in self.filters and not self._full_after(group)
 
     def fetch(self, cache, layer, q):
         if self.is_selecting(cache, layer):
@@ -71,7 +100,7 @@ class OmniKV(Policy):
             self._adapt(cache, layer, k, positions)
             return super().attend(cache, layer, q, k, v, positions, scaling)
         out, probs = scored_decode_attention(q, k, v, scaling)
-        self._choose(cache, layer, probs.sum(dim=(0, 1)), positions)
+        self._choose(cache, layer, probs.amax(dim=(0, 1)), positions)
         return out
 
     def _adapt(self, cache, layer, k, positions):
@@ -85,16 +114,56 @@ class OmniKV(Policy):
                                    self.max_leaf(cache))
 
     def _choose(self, cache, layer, token_mass, positions):
-        target = cache.group_of[layer + 1]
+        target = self._target(cache, layer)
+        if target is None:
+            return
         index = cache.indexes[target]
         scores = torch.zeros(cache.layer_length(layer))
         scores[positions] = token_mass
         scores = self._smooth(layer, scores)
-        mass = index.chunk_mass(scores)
-        leaves = index.top_chunks(mass, self.budget(cache), self.select.sinks)
+        leaves = self._fill(index, scores, self.budget(cache, target))
         cache.set_selection(target, index.fetch(leaves))
         if self.adaptive:
             self._to_adapt[target] = (scores, leaves)
+
+    def _target(self, cache, layer) -> int | None:
+        """The group that reuses filter ``layer``'s choice: the next group, or the one after
+        when the next layer attends fully; None when neither selects."""
+        after = cache.group_of[layer] + 1
+        for g in range(after, min(after + 2, len(cache.groups))):
+            if self.is_selecting(cache, cache.groups[g][0]):
+                return g
+            if cache.groups[g][0] in self.filters:
+                return None
+        return None
+
+    def _fill(self, index, scores, budget):
+        """Leaves to fetch: those holding the sinks, then whole fetch units by mass per token
+        while they fit in ``budget`` tokens; ascending LongTensor of leaf indices.
+
+        A fetch unit is the shortest run of tokens that is both whole leaves and whole records
+        (a leaf split or merged since its records were last rewritten brings them all), so the
+        tokens counted are the tokens fetched and attended. Units that do not fit after the
+        first one that overflows still compete for what is left.
+        """
+        tree = index.tree
+        records = torch.tensor([r.start for r in tree.records] + [tree.n])
+        cuts = tree.bounds[torch.isin(tree.bounds, records)]
+        prefix = torch.zeros(tree.n + 1, dtype=torch.float64)
+        torch.cumsum(scores[: tree.n].double(), 0, out=prefix[1:])
+        mass, sizes = (prefix[cuts[1:]] - prefix[cuts[:-1]]).float(), cuts.diff()
+        forced = cuts[:-1] < self.select.sinks
+        density = (mass / sizes).masked_fill(forced, float("inf"))
+        order = torch.argsort(density, descending=True, stable=True)
+        cost = sizes[order]
+        take = cost.cumsum(0) <= max(budget, int(sizes[forced].sum()))
+        left = budget - int(cost[take].sum())
+        rest = ~take & (cost <= left)
+        take |= rest & ((cost * rest).cumsum(0) <= left)
+        units = torch.zeros(sizes.numel(), dtype=torch.bool)
+        units[order[take]] = True
+        leaf_unit = torch.searchsorted(cuts, tree.bounds[:-1], right=True) - 1
+        return units[leaf_unit].nonzero().flatten()
 
     def _smooth(self, layer, scores):
         """The selector: this step's scores, or an average over recent steps."""

@@ -1,0 +1,117 @@
+"""Policy pieces that need no model: the honest budget, OmniKV's fill and its target group."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tierkv.config import ChunkConfig, SelectConfig
+from tierkv.hf.groups import GroupIndex
+from tierkv.policies import Policy, make_policy
+from tierkv.tree import SplitRequest
+
+KV, DIM = 2, 4
+CHUNKS = ChunkConfig(min=4, base=8, max=64, desert_threshold=0.5, merge_after=1)
+
+
+def index_over(tokens: int, record: int, seed: int = 0) -> tuple[GroupIndex, torch.Tensor]:
+    """A group index over ``tokens`` sealed tokens in ``record``-token records, and its keys."""
+    keys = torch.randn(KV, tokens, DIM, generator=torch.Generator().manual_seed(seed))
+    index = GroupIndex("doc", 0, KV, DIM, CHUNKS)
+    index.add([(s, s + record) for s in range(0, tokens, record)], keys)
+    return index, keys
+
+
+def omnikv(**select) -> Policy:
+    return make_policy("omnikv", 6, SelectConfig(**{"filter_layers": (1,), **select}), CHUNKS, {})
+
+
+def fetched_tokens(index: GroupIndex, leaves: torch.Tensor) -> torch.Tensor:
+    return index.fetch(leaves).positions
+
+
+def test_budget_of_a_group_counts_its_unsealed_tokens():
+    policy = omnikv(budget=0.1, window=32)
+    cache = SimpleNamespace(get_seq_length=lambda: 1000, indexes=[SimpleNamespace(sealed=960)])
+    assert policy.budget(cache) == 100 - 32
+    assert policy.budget(cache, 0) == 100 - 40
+
+
+def test_omnikv_seals_the_smallest_leaves():
+    assert omnikv().chunk_tokens == CHUNKS.min
+
+
+def test_fill_takes_sinks_then_densest_chunks():
+    index, _ = index_over(128, 8)
+    scores = torch.full((160,), 1e-4)
+    scores[44] = 1.0                  # one hot token in chunk 5
+    scores[72:80] = 0.05              # a warm chunk 9, less mass per token than chunk 5
+    scores[100:104] = 0.01            # chunk 12, colder still
+    leaves = omnikv(sinks=4)._fill(index, scores, 24)
+    assert leaves.tolist() == [0, 5, 9]
+    assert fetched_tokens(index, leaves).numel() == 24
+
+
+def test_fill_counts_whole_records_of_split_leaves():
+    index, keys = index_over(64, 16)
+    index.tree.split(SplitRequest(16, 32, 24, 0.9), keys[:, 16:32])
+    assert index.tree.sizes.tolist() == [16, 8, 8, 16, 16]
+    scores = torch.zeros(64)
+    scores[20] = 1.0                  # in the split leaf [16, 24), whose record is [16, 32)
+    policy = omnikv(sinks=4)
+    assert policy._fill(index, scores, 24).tolist() == [0]        # 16 + 16 does not fit 24
+    leaves = policy._fill(index, scores, 32)
+    assert leaves.tolist() == [0, 1, 2]
+    assert fetched_tokens(index, leaves).tolist() == list(range(32))
+
+
+def test_fill_counts_merged_leaves_whole_and_fills_past_them():
+    index, _ = index_over(96, 8)
+    tree, attention = index.tree, torch.ones(96)
+    attention[32:64] = 0              # leaves 4..7 go cold and merge into one 32-token leaf
+    for _ in range(6):
+        tree.update(tree.mass_per_leaf(attention), torch.zeros(len(index), dtype=torch.bool), max_size=32)
+    assert tree.sizes.tolist() == [8, 8, 8, 8, 32, 8, 8, 8, 8]
+    scores = torch.full((96,), 0.01)
+    scores[32:64] = 0.1               # the merged leaf is the densest, but costs 32
+    scores[80:88] = 0.05              # leaf 7
+    leaves = omnikv(sinks=4)._fill(index, scores, 16)
+    assert leaves.tolist() == [0, 7]  # the merged leaf does not fit; the next densest does
+    leaves = omnikv(sinks=4)._fill(index, scores, 48)
+    assert leaves.tolist() == [0, 4, 7]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_fill_never_exceeds_the_budget(seed):
+    gen = torch.Generator().manual_seed(seed)
+    index, keys = index_over(256, 8, seed)
+    for leaf in torch.randperm(10, generator=gen)[:3].tolist():
+        start, end = int(index.tree.bounds[leaf]), int(index.tree.bounds[leaf + 1])
+        if end - start >= 2 * CHUNKS.min:
+            index.tree.split(SplitRequest(start, end, start + 4, 0.9), keys[:, start:end])
+    scores = torch.rand(256, generator=gen) ** 8
+    budget = int(torch.randint(8, 120, (1,), generator=gen))
+    tokens = fetched_tokens(index, omnikv(sinks=4)._fill(index, scores, budget))
+    assert tokens.numel() <= budget
+    assert tokens[:4].tolist() == [0, 1, 2, 3]
+
+
+def test_target_skips_the_layer_that_attends_fully():
+    for full_after, target in ((False, (2, 3, 4, 5)), (True, (3, 4, 5))):
+        policy = omnikv(full_after_filter=full_after)
+        groups = policy.groups()
+        group_of = {layer: g for g, group in enumerate(groups) for layer in group}
+        cache = SimpleNamespace(groups=groups, group_of=group_of)
+        assert groups[policy._target(cache, 1)] == target
+
+
+def test_record_sizes_follow_what_reads_each_group():
+    # filter layers (1, 3) of 6: layer 0 is always dense, 1 and 3 filter, 2 and 4-5 select
+    policy = make_policy("omnikv", 6, SelectConfig(filter_layers=(1, 3)), ChunkConfig(), {})
+    sizes = {group: policy.record_tokens(group) for group in policy.groups()}
+    assert sizes == {(0,): 128, (1,): 32, (2,): 8, (3,): 32, (4, 5): 8}
+    after = make_policy("omnikv", 6, SelectConfig(filter_layers=(1, 3), full_after_filter=True),
+                        ChunkConfig(), {})
+    assert after.record_tokens((2,)) == 128  # the dense layer right after a filter layer
+    small = make_policy("omnikv", 6, SelectConfig(filter_layers=(1, 3)),
+                        ChunkConfig(min=4, base=8, max=16), {})
+    assert small.record_tokens((0,)) == 16 and small.record_tokens((1,)) == 16  # capped at max
