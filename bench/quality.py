@@ -89,10 +89,10 @@ def open_cache(model, policy: str, context: int, budget: float) -> TieredCache:
 
 def prefill_class(cache: TieredCache) -> tuple | None:
     """What a prefill leaves in ``cache`` that another policy's cache can reopen: its layer
-    groups and chunk size. None when the policy also keeps prefill state of its own."""
+    groups and record sizes. None when the policy also keeps prefill state of its own."""
     if cache.policy.wants_prefill_mass:
         return None
-    return tuple(cache.groups), cache.policy.chunk_tokens
+    return tuple(cache.groups), tuple(cache.record_tokens)
 
 
 def hold_on_host(cache: TieredCache) -> None:

@@ -28,6 +28,9 @@ DENSE_RECORD_TOKENS = 128
 # Records of the filter layers: read whole, or (``tierkv`` on long contexts) preselected by
 # their LKA bounds with a wide margin, so coarser chunks than the selecting layers' serve them.
 FILTER_RECORD_TOKENS = 32
+# Adaptive trees fold a filter layer's scores in every this many decode steps: the tree follows
+# where attention settles over steps, and one step of it costs about a millisecond per group.
+ADAPT_EVERY = 4
 
 
 @register
@@ -123,7 +126,7 @@ class OmniKV(Policy):
         scores = self._smooth(layer, scores)
         leaves = self._fill(index, scores, self.budget(cache, target))
         cache.set_selection(target, index.fetch(leaves))
-        if self.adaptive:
+        if self.adaptive and cache.steps % ADAPT_EVERY == 0:
             self._to_adapt[target] = (scores, leaves)
 
     def _target(self, cache, layer) -> int | None:
