@@ -115,3 +115,30 @@ def test_record_sizes_follow_what_reads_each_group():
     small = make_policy("omnikv", 6, SelectConfig(filter_layers=(1, 3)),
                         ChunkConfig(min=4, base=8, max=16), {})
     assert small.record_tokens((0,)) == 16 and small.record_tokens((1,)) == 16  # capped at max
+
+
+def leaves_read_by_one_head() -> tuple[GroupIndex, torch.Tensor]:
+    """8 leaves of 8 tokens: kv head 1 reads leaf 3 (keys along the query), leaf 6 is wide in
+    both heads (the largest bound, its box centred on 0); and the query, shape (2, DIM)."""
+    keys = 0.1 * torch.randn(KV, 64, DIM, generator=torch.Generator().manual_seed(3))
+    keys[1, 24:32, 0] = 3.0
+    keys[:, 48:56:2, 0], keys[:, 49:56:2, 0] = 20.0, -20.0
+    index = GroupIndex("doc", 0, KV, DIM, CHUNKS)
+    index.add([(s, s + 8) for s in range(0, 64, 8)], keys)
+    q = torch.zeros(KV, DIM)
+    q[:, 0] = 1.0
+    return index, q
+
+
+def test_share_scores_rank_what_a_head_reads_over_wide_leaves():
+    index, q = leaves_read_by_one_head()
+    assert int(index.bound_scores(q).argmax()) == 6
+    assert int(index.share_scores(q).argmax()) == 3
+
+
+@pytest.mark.parametrize("name", ["quest", "leoam"])
+def test_quest_and_leoam_fetch_by_estimated_shares(name):
+    index, q = leaves_read_by_one_head()
+    policy = make_policy(name, 6, SelectConfig(budget=24, window=8, sinks=4), CHUNKS, {})
+    cache = SimpleNamespace(get_seq_length=lambda: 72, index_of=lambda layer: index)
+    assert policy.fetch(cache, 4, q[:, None]).tolist() == [0, 3]  # the sink page, then leaf 3

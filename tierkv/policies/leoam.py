@@ -13,10 +13,10 @@ def _no_keys(start: int, end: int) -> None:
 
 @register
 class LeoAM(Quest):
-    """Like ``quest``, on adaptive chunks: each layer ranks its tree's leaves by their LKA
-    criticality (``summary.criticality``: a merged leaf pays for its size), attends exactly over
-    what it fetched, and folds that attention back into the tree: cold runs merge (IAKM), up to
-    a quarter of the budget.
+    """Like ``quest``, on adaptive chunks: each layer ranks its tree's leaves by their estimated
+    attention density (``GroupIndex.share_scores``: a merged leaf pays for its size), attends
+    exactly over what it fetched, and folds that attention back into the tree: cold runs merge
+    (IAKM), up to a quarter of the budget.
 
     Chunks are sealed at the smallest leaf size (``ChunkConfig.min``) and leaves only grow, by
     merging deserts: small leaves have tight bounds and are what a small budget can hold (see

@@ -1,13 +1,13 @@
 """``quest``: per-layer min/max page summaries over fixed pages; the top pages per layer (Quest)."""
-from ..summary import criticality
 from .base import Policy, register
 
 
 @register
 class Quest(Policy):
-    """Each layer scores its fixed pages by Quest's criticality (the min/max upper bound of
-    ``q . k`` per query head, ``summary.criticality``) and fetches the best within the budget
-    (plus the sink page). Pages never merge or split. As in Quest, the first ``dense_layers``
+    """Each layer scores its fixed pages by their estimated attention share (per query head, a
+    softmax over the logits at the centres of the pages' min/max boxes; a page scores its largest
+    share, ``GroupIndex.share_scores``) and fetches the best within the budget (plus the sink
+    page). Pages never merge or split. As in Quest, the first ``dense_layers``
     layers (diffuse attention, poor page bounds) attend densely.
 
     Pages are 8 tokens, not Quest's 16: a 10 % budget of a 1K-token context fetches ~66 tokens
@@ -15,7 +15,9 @@ class Quest(Policy):
     keys is 4-5 times the largest logit, so the page of a pass key ranked below looser pages of
     filler text. Measured on SmolLM2's 10 seeded pass-key cases: a head with > 30 % of its mass
     on the key's digits lost them in 29 of 239 (step, layer)s with 16-token pages, 3 with
-    8-token pages, none adding ``criticality``; keys found: 6, 9, then 10 of 10.
+    8-token pages, none adding ``criticality``; keys found: 6, 9, then 10 of 10. Ranking by
+    estimated shares instead of Quest's bound kept 10 of 10 and raised teacher-forced top-1
+    agreement (a 2K and a 4K context, 96 steps) from 60, 78, 87 to 71, 80, 87 at 5, 10, 25 %.
     """
 
     name = "quest"
@@ -33,6 +35,4 @@ class Quest(Policy):
         if layer < self.dense_layers:
             return None
         index = cache.index_of(layer)
-        tree = index.tree
-        scores = criticality(q[:, 0], tree.kmin, tree.kmax, tree.sizes)
-        return index.top_chunks(scores, self.budget(cache), self.select.sinks)
+        return index.top_chunks(index.share_scores(q[:, 0]), self.budget(cache), self.select.sinks)
