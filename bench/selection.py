@@ -43,7 +43,8 @@ from tierkv.tree import ChunkTree  # noqa: E402
 
 FIXED = ChunkConfig(min=64, base=64, max=64)
 CASES = {"fixed64": FIXED, "adaptive": ChunkConfig(),  # the project's default tree
-         "adaptive_base64": ChunkConfig(min=16, base=64, max=1024)}  # same start as fixed64
+         "adaptive_base64": ChunkConfig(min=16, base=64, max=1024),  # same start as fixed64
+         "adaptive_seal8": ChunkConfig(base=8)}  # as the selective policies seal (8-token chunks)
 SELECT = SelectConfig(budget=0.1)
 WARMUP = 32
 PLOT_LAYERS = (2, 10, 18, 27)
