@@ -41,8 +41,8 @@ def selection_rows(d: dict) -> list[tuple]:
         rows += [(f"{doc}: adaptive/fixed64 bytes", r.get("adaptive_vs_fixed_bytes"),
                   "bytes fetched by the adaptive tree / fixed 64-token chunks, same recall"),
                  (f"{doc}: LKA mass recall", adaptive.get("lka_mass_recall"),
-                  "attention mass inside the chunks chosen from summaries / exact top-k tokens' "
-                  "(target 0.9)"),
+                  "attention mass inside the chunks chosen from summaries / that of the exact "
+                  "top-k tokens (target 0.9)"),
                  (f"{doc}: chunk oracle recall", adaptive.get("chunk_oracle_recall"),
                   "the same for chunks chosen by exact scores: the ceiling of any chunk ranking"),
                  (f"{doc}: bound-ranking recall", adaptive.get("bound_mass_recall"),
