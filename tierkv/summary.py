@@ -258,8 +258,19 @@ def attention_shares(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor
     -------
     Tensor, shape (m,), fp32: ``log`` of the mean over query heads of each head's share.
     """
+    shares = head_shares(query, kmin, kmax, scale)
+    return shares.logsumexp(dim=1) - math.log(shares.shape[1])
+
+
+def head_shares(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                scale: float | None = None) -> torch.Tensor:
+    """Each query head's estimated attention share of each chunk, as a log: the softmax over the
+    chunks of the logit at the centre of each chunk's box (see ``attention_shares``).
+
+    query : Tensor, shape (q_heads, head_dim); kmin, kmax : Tensor, shape (m, kv_heads, head_dim).
+    Returns Tensor, shape (m, q_heads), fp32 (query head ``h`` reads kv head ``h // g``).
+    """
     q = _grouped_query(query, kmin)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     centre = (kmin.float() + kmax.float()) * (scale / 2)
-    logits = _group_product(q, centre).flatten(1)  # (m, q_heads)
-    return logits.log_softmax(dim=0).logsumexp(dim=1) - math.log(logits.shape[1])
+    return _group_product(q, centre).flatten(1).log_softmax(dim=0)

@@ -14,7 +14,7 @@ import torch
 
 from ..config import ChunkConfig
 from ..storage.base import KVBlock, RecordKey
-from ..summary import chunk_scores, summarize_segments
+from ..summary import chunk_scores, head_shares, summarize_segments
 from ..tree import ChunkTree
 
 
@@ -99,22 +99,19 @@ class GroupIndex:
     def share_scores(self, q: torch.Tensor) -> torch.Tensor:
         """Ranking of the leaves by estimated attention density: (m,), higher is better.
 
-        Each query head estimates its logit for a leaf at the centre of the leaf's min/max box
-        and takes a softmax over the leaves (its shares, as ``summary.attention_shares``); a
-        leaf scores ``log(largest share over the heads) - log(size)``. The largest share, not
-        the mean, keeps a retrieval head's leaf, as ``omnikv`` scores tokens by their largest
-        query-head weight: on SmolLM2's 10 pass-key cases at a 10 % budget, ``quest`` found 9
-        keys with the mean and 10 with the max, and top-1 agreement rose over the LKA bound's
-        ranking (``quest``; ``leoam`` at 5 and 10 % budgets, not at 25 %). ``tierkv``'s filter-layer preselection keeps the bound:
+        Each query head estimates its shares of the leaves from the logits at the centres of
+        their min/max boxes (``summary.head_shares``); a leaf scores ``log(largest share over
+        the heads) - log(size)``. The largest share, not the mean, keeps a retrieval head's
+        leaf, as ``omnikv`` scores tokens by their largest query-head weight: on SmolLM2's 10
+        pass-key cases at a 10 % budget, ``quest`` found 9 keys with the mean and 10 with the
+        max, and top-1 agreement rose over the LKA bound's ranking (``quest``; ``leoam`` at 5
+        and 10 % budgets, not at 25 %). ``tierkv``'s filter-layer preselection keeps the bound:
         forced on the pass-key cases, it found 10 keys by the bound and 8 by shares.
 
         q : Tensor, shape (q_heads, head_dim), post-RoPE.
         """
         tree = self.tree
-        kv_heads, head_dim = tree.kmin.shape[1:]
-        centre = (tree.kmin + tree.kmax) * (head_dim ** -0.5 / 2)
-        logits = torch.einsum("hgd,mhd->mhg", q.float().view(kv_heads, -1, head_dim), centre)
-        return logits.flatten(1).log_softmax(dim=0).amax(dim=1) - tree.sizes.float().log()
+        return head_shares(q, tree.kmin, tree.kmax).amax(dim=1) - tree.sizes.float().log()
 
     def chunk_mass(self, token_scores: torch.Tensor) -> torch.Tensor:
         """Sum of ``token_scores`` (shape (>= sealed,)) over each leaf: (m,)."""

@@ -55,10 +55,12 @@ class OmniKV(Policy):
 
     def record_tokens(self, group):
         if group[0] < self.filters[0] or self._full_after(group):
-            return min(self.chunks.max, max(self.chunk_tokens, DENSE_RECORD_TOKENS))
-        if group[0] in self.filters:
-            return min(self.chunks.max, max(self.chunk_tokens, FILTER_RECORD_TOKENS))
-        return self.chunk_tokens
+            tokens = DENSE_RECORD_TOKENS
+        elif group[0] in self.filters:
+            tokens = FILTER_RECORD_TOKENS
+        else:
+            return self.chunk_tokens
+        return min(self.chunks.max, max(self.chunk_tokens, tokens))
 
     def _full_after(self, group) -> bool:
         return self.select.full_after_filter and len(group) == 1 and group[0] - 1 in self.filters
