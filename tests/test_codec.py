@@ -226,3 +226,23 @@ def test_block_read_with_the_wrong_codec_raises():
         decode_block(make_codec("zstd"), payload, torch.float16, (2, 3, 40, 16))
     with pytest.raises(ValueError, match="shape"):
         decode_block(make_codec("raw"), payload, torch.float16, (3, 40, 16))
+
+
+def test_raw_decode_views_private_buffers_and_copies_the_rest():
+    """A writable, aligned buffer (a disk read's own) is decoded without a copy; read-only or
+    misaligned bytes are copied; every result equals the original."""
+    import numpy as np
+
+    codec = make_codec("raw", CodecConfig())
+    t = torch.randn(2, 3, 8, 16)
+    data = codec.encode(t, "k")
+    buf = np.frombuffer(bytearray(len(data) + 1), np.uint8)
+    buf[:len(data)] = np.frombuffer(data, np.uint8)
+    shared = codec.decode(memoryview(buf[:len(data)]), t.dtype, tuple(t.shape), "k")
+    assert torch.equal(shared, t) and shared.data_ptr() == buf.ctypes.data
+    copied = codec.decode(data, t.dtype, tuple(t.shape), "k")  # bytes: read-only
+    assert torch.equal(copied, t)
+    odd = np.frombuffer(bytearray(len(data) + 1), np.uint8)[1:]   # misaligned for fp32
+    odd[:] = np.frombuffer(data, np.uint8)
+    moved = codec.decode(memoryview(odd), t.dtype, tuple(t.shape), "k")
+    assert torch.equal(moved, t) and moved.data_ptr() != odd.ctypes.data

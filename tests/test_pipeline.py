@@ -415,3 +415,42 @@ def test_device_cache_reserve_evicts_cached_records_first():
     with pytest.raises(TierFullError):
         cache.reserve("window", 8192)
     assert tier.reserved_for("window") == 2048
+
+
+def test_device_cache_stops_admitting_what_is_never_read_again():
+    """Records evicted without a hit drive the measured reuse below ``min_reuse``: then only
+    one admission in ``probe_every`` copies; hits bring admission back."""
+    tier = DictTier("device", 200)
+    cache = DeviceCache(tier, min_reuse=0.5, probe_every=4, alpha=0.5)
+    keys = iter(RecordKey("d", 0, i, i + 1) for i in range(1000))
+
+    def admit():
+        key = next(keys)
+        return key, cache.admit(key, _blk(key, 100), 1.0)
+
+    assert all(admit()[1] for _ in range(3))         # the third evicts one never hit
+    assert cache.reuse == 0.0
+    made = [admit()[1] for _ in range(8)]
+    assert made.count(True) == 2 and cache.skipped == 6  # probes only
+    for _ in range(8):                                # every admitted record is read again
+        key, made = admit()
+        if made:
+            assert cache.get(key) is not None
+    while cache.reuse < 0.5:
+        key, made = admit()
+        if made:
+            cache.get(key)
+    assert all(admit()[1] for _ in range(2))         # reuse is back: admitted again
+    with pytest.raises(ValueError, match="min_reuse"):
+        DeviceCache(tier, min_reuse=1.5)
+    with pytest.raises(ValueError, match="probe_every"):
+        DeviceCache(tier, probe_every=0)
+
+
+def test_device_cache_always_admits_by_default():
+    tier = DictTier("device", 100)
+    cache = DeviceCache(tier)
+    for i in range(20):
+        key = RecordKey("d", 0, i, i + 1)
+        assert cache.admit(key, _blk(key, 100), 1.0)
+    assert cache.reuse == 0.0 and cache.skipped == 0

@@ -155,3 +155,25 @@ def test_open_refuses_another_model_and_bad_dirs(model_and_tok, tmp_path, monkey
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no saved document"):
         TieredCache.open(model, tmp_path / "empty")
+
+
+@pytest.mark.parametrize("disk_bw, codec", [(100e9, "raw"), (1e6, "zstd")])
+def test_save_writes_host_records_with_the_controllers_codec(model_and_tok, tmp_path, monkeypatch,
+                                                            disk_bw, codec):
+    """Records still on the host when a document is saved are written with the codec the
+    store's controller picks for the disk, as spills are: raw on a fast disk, zstd on a slow one."""
+    import tierkv.hf.cache as hf_cache
+    from tierkv.storage.disk import DiskTier
+
+    monkeypatch.setattr(hf_cache, "read_bandwidth", lambda path: disk_bw)
+    model, tok = model_and_tok
+    ids = tok("A short text about tiers. " * 40, return_tensors="pt")["input_ids"]
+    config = TierConfig(device_budget="8MB", host_budget="256MB", disk_dir=tmp_path / "kv")
+    with TieredCache(model, config, "tierkv") as cache:
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+        assert cache.stats()["disk_bytes"] == 0  # everything is still on the host
+        cache.save(tmp_path / "saved")
+    with DiskTier(tmp_path / "saved") as disk:
+        codecs = {disk.codec_of(key) for key in disk.keys()}
+    assert codecs == {codec}

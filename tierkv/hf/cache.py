@@ -213,6 +213,8 @@ class TieredCache(Cache):
         self.store.device.reserve(f"prefetch:{g}", 0)
         self.reserve(f"fetch:{g}", block.nbytes)
         self._step[("fetch", g)] = (spec.keys, block)
+        if len(self.groups) > 1:
+            self._look_ahead((g + 1) % len(self.groups), early=True)
         return block, spec.positions
 
     def prefetch(self, group: int, spec: Fetch) -> None:
@@ -258,13 +260,29 @@ class TieredCache(Cache):
         return PINNED if self.policy.dense(self, self.groups[group][0]) else float(self.steps)
 
     # -- sealing ------------------------------------------------------------------------
-    def _look_ahead(self, g: int) -> None:
-        """Prefetch group ``g`` when what it reads is known before its query (dense layers)."""
+    def _look_ahead(self, g: int, early: bool = False) -> None:
+        """Prefetch group ``g`` when what it reads is known before its query (dense layers).
+
+        ``early``: the group before ``g`` has just been delivered and is about to compute; the
+        prefetch starts now only if the device tier has room for both (else it waits for the
+        end of that group, as usual), so its transfer hides behind a whole group's compute.
+        """
         first = self.groups[g][0]
         if self.policy.dense(self, first):
-            self.prefetch(g, self.indexes[g].fetch(None))
-        if g == 0:
+            spec = self.indexes[g].fetch(None)
+            need = (len(spec.positions) + self.spare_tokens(g)) \
+                * self.shape.token_bytes(len(self.groups[g]))
+            if not early or self._room() >= need:
+                self.prefetch(g, spec)
+        if g == 0 and not early:
             self.metrics.step_end()
+
+    def _room(self) -> float:
+        """Device-tier bytes a reservation could take now (free plus evictable cached records)."""
+        tier = self.store.device
+        if tier.budget is None:
+            return float("inf")
+        return tier.budget - tier.used + self.pipeline.cache.used
 
     def _after_attention(self, layer: int, decoding: bool) -> None:
         """Move ``layer``'s sealable window tokens to host; seal the group after its last layer."""

@@ -41,7 +41,8 @@ def save(cache, path) -> Path:
         for index in cache.indexes:
             for key in index.keys:
                 if not (same and cache.store.where(key) == "disk"):
-                    disk.put(key, cache.store.get(key))
+                    block = cache.store.get(key)
+                    disk.put(key, block, codec=cache.store.disk_codec(key, block))
         disk.set_doc_meta(cache.doc, _meta(cache), _arrays(cache))
         disk.flush()
         if same:

@@ -3,12 +3,21 @@
 The blocks live in the store's device tier itself, so its budget bounds them, ``store.where``
 reports them as "device", and a record the store rewrites or removes (``KVStore.put`` drops the
 device copy) is never served stale. The cache adds what the tier lacks: which of its records it
-may evict, ranked by priority, importance, then age.
+may evict, ranked by priority, importance, then age, and whether admitting pays at all.
+
+Admitting a record costs a copy into the device tier; it pays only if the record is read again
+before it is evicted. The cache measures that: the share of its evicted records that were hit
+at least once (an EMA). Below ``min_reuse`` it admits only one record in ``probe_every`` (so the
+share stays measured and admission resumes when reuse comes back). On a GPU the copy is
+device-to-device and a hit saves a host or disk fetch over PCIe, so a few percent reuse pays; on
+a CPU "device" the copy costs about what a hit saves from the host tier, and the break-even is
+near a quarter (``Pipeline`` picks the threshold by device type).
 """
 from __future__ import annotations
 
 import itertools
 import threading
+from typing import Callable
 
 from tierkv.storage.base import KVBlock, RecordKey, StorageError, Tier
 
@@ -25,17 +34,34 @@ class DeviceCache:
     Parameters
     ----------
     tier : the device tier; its ``budget`` bounds the cache and everything else it holds.
+    min_reuse : in [0, 1]; while the measured share of evicted records that were hit is below
+        it, only one admission in ``probe_every`` is made (module docstring). 0: always admit.
+    probe_every : admissions tried per one made while reuse is too low (>= 1).
+    alpha : EMA weight of one eviction's outcome in the measured reuse, in (0, 1].
     """
 
-    def __init__(self, tier: Tier):
+    def __init__(self, tier: Tier, min_reuse: float = 0.0, probe_every: int = 8,
+                 alpha: float = 0.05):
         if not isinstance(tier, Tier):
             raise ValueError(f"tier={tier!r}: expected a storage Tier (the store's device tier)")
+        if isinstance(min_reuse, bool) or not isinstance(min_reuse, (int, float)) \
+                or not 0 <= min_reuse <= 1:
+            raise ValueError(f"min_reuse={min_reuse!r}: must be a number in [0, 1]")
+        if isinstance(probe_every, bool) or not isinstance(probe_every, int) or probe_every < 1:
+            raise ValueError(f"probe_every={probe_every!r}: must be a positive integer")
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
+            raise ValueError(f"alpha={alpha!r}: must be in (0, 1]")
         self.tier = tier
+        self.min_reuse, self.probe_every, self.alpha = float(min_reuse), probe_every, float(alpha)
         self._rank: dict[RecordKey, tuple[int, float, int]] = {}
+        self._used: set[RecordKey] = set()  # admitted records hit since their admission
         self._clock = itertools.count()
+        self._tries = itertools.count()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        self.skipped = 0  # admissions declined because reuse was too low
+        self.reuse: float | None = None  # EMA of "an evicted record had been hit"
 
     @property
     def used(self) -> int:
@@ -61,20 +87,31 @@ class DeviceCache:
                 block = self.tier.get(key)
             except (KeyError, StorageError):  # dropped by the store (rewritten, removed)
                 del self._rank[key]
+                self._used.discard(key)
                 self.misses += 1
                 return None
             self.hits += 1
+            self._used.add(key)
             old_priority, old_importance, _ = self._rank[key]
             self._rank[key] = (old_priority if priority is None else priority,
                                old_importance if importance is None else importance,
                                next(self._clock))
             return block
 
-    def admit(self, key: RecordKey, block: KVBlock, importance: float, priority: int = 0) -> bool:
-        """Copy ``block`` into the tier if room can be made; return whether it is cached."""
+    def admit(self, key: RecordKey, block: KVBlock | Callable[[], KVBlock], importance: float,
+              priority: int = 0) -> bool:
+        """Copy ``block`` into the tier if room can be made; return whether it is cached.
+
+        ``block`` may be a function returning it, called only when the record is admitted.
+        """
         with self._lock:
             if key in self._rank and key in self.tier:
                 return True
+            if self._declines():
+                self.skipped += 1
+                return False
+            if callable(block):
+                block = block()
             victims = self._victims(block.nbytes, (priority, importance))
             if victims is None:
                 return False
@@ -85,6 +122,7 @@ class DeviceCache:
             except StorageError:  # TierFullError: the tier filled up meanwhile; a closed tier
                 return False
             self._rank[key] = (priority, importance, next(self._clock))
+            self._used.discard(key)
             return True
 
     def reserve(self, tag: str, nbytes: int) -> None:
@@ -106,7 +144,14 @@ class DeviceCache:
         """Evict every record the cache admitted."""
         with self._lock:
             for key in list(self._rank):
-                self._evict(key)
+                self._evict(key, measured=False)
+
+    def _declines(self) -> bool:
+        """Whether to skip this admission: reuse measured below ``min_reuse`` and this is not
+        one of the probes."""
+        if self.reuse is None or self.reuse >= self.min_reuse:
+            return False
+        return next(self._tries) % self.probe_every != 0
 
     def _victims(self, need: int, rank: tuple[int, float]) -> list[RecordKey] | None:
         """Lowest-ranked cache records to evict so ``need`` bytes fit, all ranked below the
@@ -124,6 +169,12 @@ class DeviceCache:
             room += self.tier.size_of(key)
         return victims if room >= need else None
 
-    def _evict(self, key: RecordKey) -> None:
+    def _evict(self, key: RecordKey, measured: bool = True) -> None:
         del self._rank[key]
+        hit = key in self._used
+        self._used.discard(key)
+        if measured:
+            outcome = 1.0 if hit else 0.0
+            self.reuse = outcome if self.reuse is None else \
+                self.reuse + self.alpha * (outcome - self.reuse)
         self.tier.remove(key)

@@ -1,6 +1,8 @@
 """The work of one layer group: find each record, read and decode what is on disk, copy up."""
 from __future__ import annotations
 
+import functools
+import itertools
 import time
 from concurrent.futures import CancelledError
 from typing import Callable
@@ -149,16 +151,13 @@ class GroupFetcher:
     def _admit(self, group: GroupFetch, parts: list[KVBlock], fetched: list[int],
                out: KVBlock) -> None:
         """Offer the records just read from disk to the device cache (the tier copies them)."""
-        start = 0
-        offsets = []
-        for part in parts:
-            offsets.append(start)
-            start += part.keys.shape[2]
+        if not fetched:
+            return
+        offsets = list(itertools.accumulate((part.keys.shape[2] for part in parts), initial=0))
         for i in fetched:
-            key, importance = group.keys[i], group.importance[i]
-            a, b = offsets[i], offsets[i] + key.tokens
-            view = KVBlock(out.keys[:, :, a:b], out.values[:, :, a:b])
-            self.cache.admit(key, view, importance, _priority(group))
+            a, b = offsets[i], offsets[i + 1]
+            view = functools.partial(KVBlock, out.keys[:, :, a:b], out.values[:, :, a:b])
+            self.cache.admit(group.keys[i], view, group.importance[i], _priority(group))
 
 
 def _priority(group: GroupFetch) -> int:

@@ -15,6 +15,7 @@ malformed payload raises ``CorruptRecordError``.
 """
 from __future__ import annotations
 
+import functools
 import struct
 import threading
 import zlib
@@ -33,7 +34,7 @@ ROLES = ("k", "v")
 
 _BLOCK_HEAD = struct.Struct("<BQ")  # codec id, length of the K bytes
 _BLOCK_CRC = struct.Struct("<I")  # crc32 of the head, then the K bytes, then the V bytes
-_BLOCK_HEADER_SIZE = _BLOCK_HEAD.size + _BLOCK_CRC.size
+BLOCK_HEADER_SIZE = _BLOCK_HEAD.size + _BLOCK_CRC.size  # before a block's tensor bytes
 _GROUP_HEADER = struct.Struct("<I")  # group size the quantised payload was encoded with
 
 
@@ -70,8 +71,13 @@ def _as_bytes_view(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+@functools.lru_cache(maxsize=None)
+def _itemsize(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def _nbytes(dtype, shape) -> int:
-    return prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return prod(shape) * _itemsize(dtype)
 
 
 class Codec:
@@ -79,8 +85,10 @@ class Codec:
 
     ``encode(t, role)`` : t Tensor, shape (..., tokens, head_dim), fp16/bf16/fp32 on CPU;
     role "k" or "v". Returns bytes.
-    ``decode(data, dtype, shape, role)`` returns a new Tensor of that dtype and shape, or raises
-    CorruptRecordError when ``data`` cannot be what ``encode`` wrote for them.
+    ``decode(data, dtype, shape, role)`` returns a Tensor of that dtype and shape, or raises
+    CorruptRecordError when ``data`` cannot be what ``encode`` wrote for them. The tensor may
+    share the memory of a writable, suitably aligned ``data`` (``raw``): callers hand it buffers
+    nobody else writes to.
     """
 
     name = "codec"
@@ -108,6 +116,10 @@ class RawCodec(Codec):
         if src.size != _nbytes(dtype, shape):
             raise CorruptRecordError(f"raw codec: {src.size} bytes for {dtype} {shape}, "
                                      f"expected {_nbytes(dtype, shape)}")
+        if src.flags.writeable and src.ctypes.data % _itemsize(dtype) == 0:
+            # A private read buffer (the disk tier reads every batch into a fresh one): the
+            # tensor is a view of it, no copy. Read-only bytes are copied.
+            return torch.from_numpy(src).view(dtype).view(shape)
         out = torch.empty(shape, dtype=dtype)
         _as_bytes_view(out)[:] = src
         return out
@@ -332,11 +344,11 @@ def decode_block(codec: Codec, payload, dtype, shape, verified: bool = False) ->
         raise ValueError(f"decode_block: shape {tuple(shape)} must be (layers, kv_heads, tokens, "
                          "head_dim)")
     view = memoryview(payload).cast("B")
-    if len(view) < _BLOCK_HEADER_SIZE:
+    if len(view) < BLOCK_HEADER_SIZE:
         raise CorruptRecordError(f"block payload of {len(view)} bytes is shorter than its header")
     codec_id, k_len = _BLOCK_HEAD.unpack_from(view)
     (crc,) = _BLOCK_CRC.unpack_from(view, _BLOCK_HEAD.size)
-    body = view[_BLOCK_HEADER_SIZE:]
+    body = view[BLOCK_HEADER_SIZE:]
     if not verified and zlib.crc32(body, zlib.crc32(view[:_BLOCK_HEAD.size])) != crc:
         raise CorruptRecordError("block payload: crc32 mismatch")
     if codec_id != codec.id:

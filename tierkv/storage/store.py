@@ -160,7 +160,7 @@ class KVStore:
             self.host.remove(key)
             return
         block = self.host.get(key)
-        self.disk.put(key, block, codec=self._disk_codec(key, block))
+        self.disk.put(key, block, codec=self.disk_codec(key, block))
         self.host.remove(key)
 
     def promote(self, key: RecordKey, block: KVBlock, importance: float) -> bool:
@@ -190,11 +190,12 @@ class KVStore:
         if self.disk is None:
             raise TierFullError(f"{key} ({block.nbytes} B) does not fit the host tier and no disk "
                                 "tier is configured")
-        self.disk.put(key, block, codec=self._disk_codec(key, block))
+        self.disk.put(key, block, codec=self.disk_codec(key, block))
         self.host.remove(key)
 
-    def _disk_codec(self, key: RecordKey, block: KVBlock) -> str | None:
-        """The codec of ``key``'s disk write (module docstring); None: the disk tier's default."""
+    def disk_codec(self, key: RecordKey, block: KVBlock) -> str | None:
+        """The codec to write ``key``'s ``block`` to disk with (module docstring); None: the disk
+        tier's default. Writers outside the store (``TieredCache.save``) ask it too."""
         codec = self._codecs.get(key)
         if codec is not None or self.controller is None or self.config.codec.codec != "auto":
             return codec
