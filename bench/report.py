@@ -86,6 +86,11 @@ def decode_rows(d: dict) -> list[tuple]:
     rows = [("speedup vs full_memory", d.get("speedup_vs_full_memory"), "full_memory ms/token / tierkv ms/token"),
             ("speedup vs brute_offload", d.get("speedup_vs_brute_offload"), "brute_offload ms/token / tierkv ms/token"),
             ("tierkv disk read frac", d.get("disk_read_frac"), "disk bytes read per token / whole KV bytes")]
+    if d.get("full_memory_drift") is not None:
+        runs = d["cases"]["full_memory"].get("ms_per_token_runs") or []
+        rows.append(("full_memory drift", d["full_memory_drift"],
+                     "machine speed change over the run: full_memory last / first run ("
+                     + " then ".join(f"{fmt(r)}" for r in runs) + " ms/token)"))
     for name, c in d.get("cases", {}).items():
         if "error" in c:
             rows.append((name, None, f"error: {c['error'][:60]}"))

@@ -177,3 +177,42 @@ def test_save_writes_host_records_with_the_controllers_codec(model_and_tok, tmp_
     with DiskTier(tmp_path / "saved") as disk:
         codecs = {disk.codec_of(key) for key in disk.keys()}
     assert codecs == {codec}
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_dense_group_prefetch_starts_a_group_early_when_it_fits(model_and_tok, passkey_cases,
+                                                                 monkeypatch, early):
+    """With room on the device, a dense group's fetch starts when the group before it is
+    delivered (hidden behind that whole group); without room, after that group, as before."""
+    model, _ = model_and_tok
+    ids, _ = passkey_cases[0]
+    from tierkv.pipeline.fetcher import Pipeline
+
+    issued = []  # (layer attending when a fetch was submitted, group)
+    current = {"layer": None}
+    real_submit, real_decode = Pipeline.submit, TieredCache._decode
+
+    def submit(self, plan):
+        issued.extend((current["layer"], fetch.group) for fetch in plan.groups)
+        return real_submit(self, plan)
+
+    def decode(self, layer, q, scaling):
+        current["layer"] = layer
+        return real_decode(self, layer, q, scaling)
+
+    monkeypatch.setattr(Pipeline, "submit", submit)
+    monkeypatch.setattr(TieredCache, "_decode", decode)
+    if not early:  # as if the device tier had no room to spare
+        monkeypatch.setattr(TieredCache, "_room", lambda self: 0)
+    config = TierConfig(device_budget="64MB", host_budget="1GB")
+    with TieredCache(model, config, "omnikv") as cache, torch.no_grad():
+        out = model(ids, past_key_values=cache, use_cache=True)
+        issued.clear()
+        for _ in range(3):
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+        filters = cache.policy.filters
+        before = cache.groups[cache.group_of[filters[-1]] - 1]  # multi-layer group, then a filter
+        dense_next = cache.group_of[filters[-1]]
+        assert len(before) > 1 and cache.policy.dense(cache, filters[-1])
+        layers = {layer for layer, group in issued if group == dense_next}
+        assert layers == ({before[0]} if early else {before[-1]})
