@@ -83,7 +83,11 @@ def reopen_rows(d: dict) -> list[tuple]:
 
 def decode_rows(d: dict) -> list[tuple]:
     cfg = d.get("config", {})
-    rows = [("speedup vs full_memory", d.get("speedup_vs_full_memory"), "full_memory ms/token / tierkv ms/token"),
+    paired = d.get("paired") or {}
+    how = ("paired run, alternating blocks of {} steps: {} / {} ms/token".format(
+        paired.get("block_steps"), *(fmt(v) for v in paired["ms_per_token"].values()))
+        if paired.get("ms_per_token") else "full_memory ms/token / tierkv ms/token")
+    rows = [("speedup vs full_memory", d.get("speedup_vs_full_memory"), how),
             ("speedup vs brute_offload", d.get("speedup_vs_brute_offload"), "brute_offload ms/token / tierkv ms/token"),
             ("tierkv disk read frac", d.get("disk_read_frac"), "disk bytes read per token / whole KV bytes")]
     if d.get("full_memory_drift") is not None:
