@@ -79,10 +79,7 @@ def paired_speed(model, plain, ids, ref, steps: int, policy: str, device: int, h
     steps, both caches live, so that a change in the machine's speed during the run weighs on
     both alike (``speedup_vs_full_memory`` comes from here). ``plain`` is a second instance of
     the model for ``full_memory``: a live TieredCache routes ``model``'s attention through it."""
-    shutil.rmtree(disk_dir, ignore_errors=True)
-    config = TierConfig(device_budget=device, host_budget=host, disk_dir=disk_dir, device="cpu")
-    full = DynamicCache()
-    tiered = TieredCache(model, config, policy, select=SelectConfig(budget=SELECT))
+    full, tiered = DynamicCache(), new_cache(model, policy, device, host, disk_dir)
     try:
         runs = (("full_memory", plain, full), (policy, model, tiered))
         for _, net, cache in runs:
@@ -101,6 +98,13 @@ def paired_speed(model, plain, ids, ref, steps: int, policy: str, device: int, h
     return {"ms_per_token": ms, "speedup": ms["full_memory"] / ms[policy], "block_steps": block}
 
 
+def new_cache(model, policy: str, device: int, host: int, disk_dir: Path) -> TieredCache:
+    """A TieredCache over an emptied ``disk_dir`` with the bench's budgets and selection."""
+    shutil.rmtree(disk_dir, ignore_errors=True)
+    config = TierConfig(device_budget=device, host_budget=host, disk_dir=disk_dir, device="cpu")
+    return TieredCache(model, config, policy, select=SelectConfig(budget=SELECT))
+
+
 def drop_disk(cache: TieredCache) -> None:
     cache.store.disk.flush()
     for seg in Path(cache.store.disk.path).glob("seg-*.tkv"):
@@ -112,9 +116,7 @@ def tiered_case(model, ids, ref, steps, policy, device, host, disk_dir: Path) ->
     kv = KVShape.from_config(model.config, dtype=model.dtype).kv_bytes(ids.shape[1] + steps)
     retries = []
     while True:
-        shutil.rmtree(disk_dir, ignore_errors=True)
-        config = TierConfig(device_budget=device, host_budget=host, disk_dir=disk_dir, device="cpu")
-        cache = TieredCache(model, config, policy, select=SelectConfig(budget=SELECT))
+        cache = new_cache(model, policy, device, host, disk_dir)
         marks = {}
 
         def on_prefill():

@@ -223,11 +223,15 @@ class TieredCache(Cache):
         if not spec.keys or self._step.get(("prefetch", group), (None,))[0] == spec.keys:
             return
         spare = self.spare_tokens(group)
-        tokens = len(spec.positions) + spare
-        self.reserve(f"prefetch:{group}", tokens * self.shape.token_bytes(len(self.groups[group])))
+        self.reserve(f"prefetch:{group}", self._fetch_bytes(group, spec))
         handle = self.pipeline.submit(FetchPlan([(group, spec.keys)], spare=spare,
                                                 default_importance=self._importance(group)))
         self._step[("prefetch", group)] = (spec.keys, handle)
+
+    def _fetch_bytes(self, group: int, spec: Fetch) -> int:
+        """Device bytes a fetch of ``spec`` for ``group`` takes, with room for the window."""
+        tokens = len(spec.positions) + self.spare_tokens(group)
+        return tokens * self.shape.token_bytes(len(self.groups[group]))
 
     def spare_tokens(self, group: int) -> int:
         """Room left after a fetch of ``group`` for the recent window (which decode keeps
@@ -270,9 +274,7 @@ class TieredCache(Cache):
         first = self.groups[g][0]
         if self.policy.dense(self, first):
             spec = self.indexes[g].fetch(None)
-            need = (len(spec.positions) + self.spare_tokens(g)) \
-                * self.shape.token_bytes(len(self.groups[g]))
-            if not early or self._room() >= need:
+            if not early or self._room() >= self._fetch_bytes(g, spec):
                 self.prefetch(g, spec)
         if g == 0 and not early:
             self.metrics.step_end()

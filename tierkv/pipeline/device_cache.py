@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Callable
 
 from tierkv.storage.base import KVBlock, RecordKey, StorageError, Tier
 
@@ -98,20 +97,14 @@ class DeviceCache:
                                next(self._clock))
             return block
 
-    def admit(self, key: RecordKey, block: KVBlock | Callable[[], KVBlock], importance: float,
-              priority: int = 0) -> bool:
-        """Copy ``block`` into the tier if room can be made; return whether it is cached.
-
-        ``block`` may be a function returning it, called only when the record is admitted.
-        """
+    def admit(self, key: RecordKey, block: KVBlock, importance: float, priority: int = 0) -> bool:
+        """Copy ``block`` into the tier if room can be made; return whether it is cached."""
         with self._lock:
             if key in self._rank and key in self.tier:
                 return True
             if self._declines():
                 self.skipped += 1
                 return False
-            if callable(block):
-                block = block()
             victims = self._victims(block.nbytes, (priority, importance))
             if victims is None:
                 return False

@@ -1,7 +1,6 @@
 """The work of one layer group: find each record, read and decode what is on disk, copy up."""
 from __future__ import annotations
 
-import functools
 import itertools
 import time
 from concurrent.futures import CancelledError
@@ -156,7 +155,7 @@ class GroupFetcher:
         offsets = list(itertools.accumulate((part.keys.shape[2] for part in parts), initial=0))
         for i in fetched:
             a, b = offsets[i], offsets[i + 1]
-            view = functools.partial(KVBlock, out.keys[:, :, a:b], out.values[:, :, a:b])
+            view = KVBlock(out.keys[:, :, a:b], out.values[:, :, a:b])
             self.cache.admit(group.keys[i], view, group.importance[i], _priority(group))
 
 
