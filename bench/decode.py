@@ -38,11 +38,13 @@ from transformers import DynamicCache
 
 from bench.common import drop_page_cache, write_result
 from tierkv import SelectConfig, TierConfig, TieredCache, TierFullError, load_model
+from tierkv.config import ChunkConfig
 from tierkv.shapes import KVShape
 from tierkv.textgen import make_document
 
 SPARSE = ("quest", "leoam", "omnikv", "h2o", "razor", "tierkv")
 DEVICE_SHARE, HOST_SHARE, SELECT = 0.05, 0.20, 0.1
+CHUNKS = ChunkConfig()  # the default tree; ``--chunk-min`` changes it for a profiling run
 BRUTE_HOST = 1_000_000
 PAIR_BLOCK = 8  # decode steps per turn when full_memory and tierkv alternate
 
@@ -102,7 +104,7 @@ def new_cache(model, policy: str, device: int, host: int, disk_dir: Path) -> Tie
     """A TieredCache over an emptied ``disk_dir`` with the bench's budgets and selection."""
     shutil.rmtree(disk_dir, ignore_errors=True)
     config = TierConfig(device_budget=device, host_budget=host, disk_dir=disk_dir, device="cpu")
-    return TieredCache(model, config, policy, select=SelectConfig(budget=SELECT))
+    return TieredCache(model, config, policy, select=SelectConfig(budget=SELECT), chunks=CHUNKS)
 
 
 def drop_disk(cache: TieredCache) -> None:
@@ -199,7 +201,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--cases", nargs="+", choices=("brute_offload",) + SPARSE,
                         help="run only these cases beside full_memory (for profiling; the "
                              "result file is not written)")
+    parser.add_argument("--chunk-min", type=int, metavar="N",
+                        help="with --cases: the selective policies seal N-token chunks "
+                             f"(ChunkConfig.min, default {ChunkConfig().min})")
     args = parser.parse_args(argv)
+    if args.chunk_min is not None:
+        if not args.cases:
+            parser.error("--chunk-min is a profiling option: give --cases too")
+        global CHUNKS
+        CHUNKS = ChunkConfig(min=args.chunk_min, base=max(args.chunk_min, ChunkConfig().base))
     torch.manual_seed(0)
     tokens, steps = (2048, 16) if args.quick else (8192, 64)
     model, tok = load_model("smollm2-135m")

@@ -42,7 +42,7 @@ from transformers import DynamicCache
 from bench.common import write_result
 from tierkv import SelectConfig, TierConfig, TieredCache, load_model
 from tierkv.shapes import KVShape
-from tierkv.textgen import chat_prompt, make_document, passkey_fact
+from tierkv.textgen import make_document, passkey_prompt
 
 # headline and lossless-by-design policies first, so that a cut-short run keeps the figures that matter most
 POLICIES = ("full", "tierkv", "omnikv", "quest", "leoam", "h2o", "streaming", "razor")
@@ -181,13 +181,9 @@ def teacher_forced(model, cache: TieredCache, cont: torch.Tensor):
 
 
 def passkey_cases(tok, n: int) -> list[tuple[torch.Tensor, str]]:
-    cases = []
-    for seed in range(n):
-        fact = passkey_fact(random.Random(seed))
-        doc = make_document(tok, PASSKEY_TOKENS, seed, [fact])
-        prompt = chat_prompt(tok, doc, fact.question, fact.answer_prefix)
-        cases.append((tok(prompt, return_tensors="pt")["input_ids"], fact.answer))
-    return cases
+    """The integration tests' pass-key cases (same prompts, hint included): seeds ``0..n-1``."""
+    prompts = (passkey_prompt(tok, PASSKEY_TOKENS, seed) for seed in range(n))
+    return [(tok(prompt, return_tensors="pt")["input_ids"], answer) for prompt, answer in prompts]
 
 
 def passkey_run(model, tok, cases, policy: str, budget: float, prefills: Prefills) -> float:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 BEGIN, END = "<!-- RESULTS:BEGIN -->", "<!-- RESULTS:END -->"
-ORDER = ("storage", "selection", "pipeline", "quality", "reopen", "decode", "scale")
+ORDER = ("storage", "selection", "pipeline", "quality", "ceiling", "reopen", "decode", "scale")
 
 
 def fmt(value, digits: int = 3) -> str:
@@ -44,9 +44,16 @@ def selection_rows(d: dict) -> list[tuple]:
                   "attention mass inside the chunks chosen from summaries / that of the exact "
                   "top-k tokens (target 0.9)"),
                  (f"{doc}: chunk oracle recall", adaptive.get("chunk_oracle_recall"),
-                  "the same for chunks chosen by exact scores: the ceiling of any chunk ranking"),
+                  "the same for leaves chosen by exact scores: the ceiling of any ranking of these leaves"),
                  (f"{doc}: bound-ranking recall", adaptive.get("bound_mass_recall"),
                   "the same with Quest's upper-bound ranking (pruned tree search)")]
+        for case in ("adaptive_min4", "adaptive_min2"):
+            finer = r.get("cases", {}).get(case)
+            if finer:
+                config = d.get("config", {}).get("cases", {}).get(case, {})
+                rows.append((f"{doc}: LKA mass recall, {case}", finer.get("lka_mass_recall"),
+                             f"leaves of {config.get('min')}-{config.get('max')} tokens (default "
+                             f"8-512); chunk oracle {finer.get('chunk_oracle_recall', 0):.3f}"))
     return rows
 
 
@@ -73,6 +80,16 @@ def quality_rows(d: dict) -> list[tuple]:
                 continue
             rows.append((f"{policy} @ {budget} top1", r.get("top1_agreement"),
                          f"passkey {fmt(r.get('passkey_acc'))}, {fmt(r.get('ms_per_token'))} ms/token"))
+    return rows
+
+
+def ceiling_rows(d: dict) -> list[tuple]:
+    rows = []
+    for name, budgets in d.get("oracles", {}).items():
+        r = budgets.get("0.1", {})
+        by = ", ".join(f"{c}: {fmt(v)}" for c, v in r.get("top1_by_context", {}).items())
+        rows.append((f"{name} @ 0.1 top1", r.get("top1_agreement"),
+                     f"exact top-k oracle (a ceiling, not a method); by context {by}"))
     return rows
 
 
@@ -123,7 +140,8 @@ def scale_rows(d: dict) -> list[tuple]:
 
 
 RENDERERS = {"storage": storage_rows, "selection": selection_rows, "pipeline": pipeline_rows,
-             "quality": quality_rows, "reopen": reopen_rows, "decode": decode_rows, "scale": scale_rows}
+             "quality": quality_rows, "ceiling": ceiling_rows, "reopen": reopen_rows,
+             "decode": decode_rows, "scale": scale_rows}
 
 
 def render(results: dict[str, dict]) -> str:

@@ -77,6 +77,14 @@ def chat_prompt(tokenizer, document: str, question: str, answer_prefix: str = ""
     return question_turn(tokenizer, content, answer_prefix)
 
 
+def passkey_prompt(tokenizer, n_tokens: int, seed: int) -> tuple[str, str]:
+    """The seeded pass-key task of the tests and benchmarks: a chat prompt over a document of
+    about ``n_tokens`` tokens with a pass key planted at a seeded depth, and its answer."""
+    fact = passkey_fact(random.Random(seed))
+    document = make_document(tokenizer, n_tokens, seed, [fact])
+    return chat_prompt(tokenizer, document, fact.question, fact.answer_prefix, fact.hint), fact.answer
+
+
 def question_turn(tokenizer, content: str, answer_prefix: str = "") -> str:
     """One user turn and the start of the reply, in the model's chat template."""
     messages = [{"role": "user", "content": content}]
