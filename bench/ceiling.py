@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import argparse
 import time
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
-from transformers import AttentionInterface, DynamicCache
+from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from bench.common import write_result
+from bench.common import attention_installed, write_result
 from bench.quality import BUDGETS, continuation_case, reference_argmax, top1_agreement
 from tierkv import SelectConfig, load_model
 from tierkv.config import ChunkConfig
@@ -136,17 +135,6 @@ class OracleAttention:
         return keep | torch.isin(chunk, taken)
 
 
-@contextmanager
-def installed(model, attention: OracleAttention):
-    AttentionInterface.register("tierkv_oracle", attention)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("tierkv_oracle")
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
-
-
 def teacher_forced(model, cache: DynamicCache, cont: torch.Tensor) -> torch.Tensor:
     """Argmax after each token of ``cont`` fed one at a time, shape (n,)."""
     preds = []
@@ -168,7 +156,7 @@ def main(argv=None) -> dict:
     filters = tuple(load_profile(model).get("filter_layers", DEFAULT_FILTERS))
     attention = OracleAttention(filters)
     agree = {name: {str(b): {} for b in BUDGETS} for name in ORACLES}
-    with torch.no_grad(), installed(model, attention):
+    with torch.no_grad(), attention_installed(model, "tierkv_oracle", attention):
         for context in contexts:
             ctx, cont = continuation_case(tok, context, n_cont, seed=context)  # bench.quality's
             ref = reference_argmax(model, ctx, cont)

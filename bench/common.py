@@ -6,11 +6,27 @@ import os
 import platform
 import random
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 RESULTS = Path(__file__).parent / "results"
+
+
+@contextmanager
+def attention_installed(model, name: str, attention):
+    """Route ``model``'s attention through ``attention`` (registered as ``name`` with
+    transformers' ``AttentionInterface``) inside the block; the previous one after it."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
 
 
 def real_kv(tokens: int, seed: int = 0, model_name: str = "smollm2-135m"):

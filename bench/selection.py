@@ -28,7 +28,6 @@ Run: ``python -m bench.selection [--quick]``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 
 import matplotlib
@@ -37,7 +36,7 @@ import torch
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bench.common import RESULTS, write_result  # noqa: E402
+from bench.common import RESULTS, attention_installed, write_result  # noqa: E402
 from tierkv.config import ChunkConfig, SelectConfig  # noqa: E402
 from tierkv.select import (adaptation_mass, adaptation_scores, leaf_costs,  # noqa: E402
                            query_keys, select_by_bound, select_by_query, select_by_scores)
@@ -56,23 +55,15 @@ WARMUP = 32
 PLOT_LAYERS = (2, 10, 18, 27)
 
 
-@contextlib.contextmanager
 def capture_attention(model, record):
     """Route attention through sdpa while ``record(layer, query, key)`` sees its inputs."""
-    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         record(module.layer_idx, query[0].detach(), key[0].detach())
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
-    AttentionInterface.register("tierkv_capture", attention)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("tierkv_capture")
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
+    return attention_installed(model, "tierkv_capture", attention)
 
 
 def run_document(model, tok, tokens: int, seed: int, steps: int):
