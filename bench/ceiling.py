@@ -38,7 +38,8 @@ from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from bench.common import attention_installed, write_result
-from bench.quality import BUDGETS, continuation_case, reference_argmax, top1_agreement
+from bench.quality import (BUDGETS, continuation_case, reference_argmax, teacher_forced,
+                           top1_agreement)
 from tierkv import SelectConfig, load_model
 from tierkv.config import ChunkConfig
 from tierkv.hf.profile import load_profile
@@ -72,7 +73,6 @@ class OracleAttention:
         self.oracle: Oracle | None = None
         self.select = SelectConfig()
         self.weights: dict[int, torch.Tensor] = {}  # filter layer -> this step's token weights
-        self.kv_heads = 1
 
     def dense_layer(self, layer: int) -> bool:
         return layer < self.filters[0] or layer in self.filters
@@ -84,7 +84,6 @@ class OracleAttention:
         if query.shape[0] != 1:
             raise ValueError(f"batch {query.shape[0]}: the oracles decode one sequence")
         layer, groups = module.layer_idx, query.shape[1] // key.shape[1]
-        self.kv_heads = key.shape[1]
         keys, values = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
         scores = (query @ keys.transpose(-1, -2)) * scaling  # (1, q_heads, 1, n)
         probs = scores.softmax(-1)
@@ -92,12 +91,13 @@ class OracleAttention:
             self.weights[layer] = probs.amax(dim=1)[0, 0]
         if self.oracle.dense and self.dense_layer(layer):
             return (probs @ values).transpose(1, 2).contiguous(), None
-        keep = self.kept(layer, probs)
+        keep = self.kept(layer, probs, key.shape[1])
         scores = scores.masked_fill(~keep, float("-inf"))
         return (scores.softmax(-1) @ values).transpose(1, 2).contiguous(), None
 
-    def kept(self, layer: int, probs: torch.Tensor) -> torch.Tensor:
-        """Boolean mask of the kept tokens, broadcastable to ``probs`` (1, q_heads, 1, n)."""
+    def kept(self, layer: int, probs: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """Boolean mask of the kept tokens, broadcastable to ``probs`` (1, q_heads, 1, n); query
+        head ``h`` reads KV head ``h // (q_heads // kv_heads)``."""
         n = probs.shape[-1]
         budget = min(self.select.tokens(n), n)
         if self.oracle.source == "head":
@@ -105,8 +105,8 @@ class OracleAttention:
             return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, top, True)
         if self.oracle.source == "kv_head":  # one choice per KV head, for its query heads
             heads = probs.shape[1]
-            groups = heads // self.kv_heads
-            weights = probs[0, :, 0].view(self.kv_heads, groups, n).amax(dim=1)
+            groups = heads // kv_heads
+            weights = probs[0, :, 0].view(kv_heads, groups, n).amax(dim=1)
             keep = torch.stack([self.chosen(w, n, budget) for w in weights])
             return keep.repeat_interleave(groups, 0).view(1, heads, 1, n)
         if self.oracle.source == "layer":
@@ -135,15 +135,6 @@ class OracleAttention:
         return keep | torch.isin(chunk, taken)
 
 
-def teacher_forced(model, cache: DynamicCache, cont: torch.Tensor) -> torch.Tensor:
-    """Argmax after each token of ``cont`` fed one at a time, shape (n,)."""
-    preds = []
-    for token in cont:
-        logits = model(token.view(1, 1), past_key_values=cache, use_cache=True).logits
-        preds.append(logits[0, -1].argmax())
-    return torch.stack(preds)
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one 2K context, 32 tokens")
@@ -166,7 +157,7 @@ def main(argv=None) -> dict:
                 for budget in BUDGETS:
                     attention.oracle, attention.select = oracle, SelectConfig(budget=budget)
                     try:
-                        preds = teacher_forced(model, cache, cont)
+                        preds, _ = teacher_forced(model, cache, cont)
                     finally:
                         attention.oracle = None
                         extra = cache.get_seq_length() - context

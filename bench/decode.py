@@ -209,7 +209,10 @@ def main(argv=None) -> dict:
         if not args.cases:
             parser.error("--chunk-min is a profiling option: give --cases too")
         global CHUNKS
-        CHUNKS = ChunkConfig(min=args.chunk_min, base=max(args.chunk_min, ChunkConfig().base))
+        try:
+            CHUNKS = ChunkConfig(min=args.chunk_min, base=max(args.chunk_min, ChunkConfig().base))
+        except ValueError as err:
+            parser.error(f"--chunk-min {args.chunk_min}: {err}")
     torch.manual_seed(0)
     tokens, steps = (2048, 16) if args.quick else (8192, 64)
     model, tok = load_model("smollm2-135m")

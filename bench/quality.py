@@ -168,8 +168,9 @@ def decode_threads():
         torch.set_num_threads(before)
 
 
-def teacher_forced(model, cache: TieredCache, cont: torch.Tensor):
-    """Feed ``cont`` to a prefilled ``cache`` one token at a time: (argmax (n,), seconds)."""
+def teacher_forced(model, cache, cont: torch.Tensor):
+    """Feed ``cont`` to a prefilled ``cache`` (any transformers cache) one token at a time:
+    (argmax (n,), seconds)."""
     preds, seconds = [], 0.0
     with decode_threads():
         for token in cont:

@@ -57,7 +57,7 @@ def test_per_head_oracle_keeps_each_heads_top_tokens():
     q, k, v = tensors(30)
     keys = k.repeat_interleave(Q_HEADS // KV_HEADS, 1)
     probs = (q @ keys.transpose(-1, -2) * DIM ** -0.5).softmax(-1)
-    keep = attention.kept(0, probs)
+    keep = attention.kept(0, probs, KV_HEADS)
     assert keep.shape == probs.shape and bool((keep.sum(-1) == 5).all())
     for head in range(Q_HEADS):
         top = set(probs[0, head, 0].topk(5).indices.tolist())
@@ -86,7 +86,7 @@ def test_layers_after_a_filter_reuse_its_choice():
     weights = attention.weights[1]
     assert weights.shape == (60,)
     other = torch.randn(1, Q_HEADS, 1, 60)
-    keep = attention.kept(7, other.softmax(-1))
+    keep = attention.kept(7, other.softmax(-1), KV_HEADS)
     torch.testing.assert_close(keep.view(-1), attention.chosen(weights, 60, 12))
 
 
@@ -104,12 +104,11 @@ def test_kv_head_oracle_chooses_for_each_kv_head_and_its_query_heads():
     attention = OracleAttention((1,))
     attention.oracle = Oracle("kv_head", 1, True)
     attention.select = SelectConfig(budget=8, sinks=1, window=2)
-    attention.kv_heads = KV_HEADS
     n, groups = 30, Q_HEADS // KV_HEADS
     probs = torch.full((1, Q_HEADS, 1, n), 1e-3)
     probs[0, 1, 0, 10] = 0.5   # a query head of KV head 0 singles out token 10
     probs[0, 4, 0, 20] = 0.5   # one of KV head 1, token 20
-    keep = attention.kept(3, probs)
+    keep = attention.kept(3, probs, KV_HEADS)
     assert keep.shape == probs.shape
     for head in range(Q_HEADS):
         kept = set(keep[0, head, 0].nonzero().flatten().tolist())
