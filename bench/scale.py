@@ -2,7 +2,8 @@
 
 KV of 32 layers x 8 KV heads x head_dim 128, fp16 (128 KiB a token) is written through
 ``tierkv.KVStore`` as records of 64 tokens x one layer group of 4 layers (1 MiB each); the
-per-chunk min/max key summaries (``tierkv.summary``) of each group's first layer stay in memory.
+per-chunk min/max key summaries (``tierkv.summary``) of each group's first layer stay in memory,
+in fp16 like the keys (exact: a min or max of fp16 values is one of them; half the fp32 size).
 Records cycle through a seeded pool of Gaussian blocks (generating 8 GiB of fresh random numbers
 on two cores would dominate the run); a few "needle" chunks per group get keys aligned with the
 query direction of their KV head. Device budget 1 GB and host 4 GB from 64K tokens up, scaled
@@ -113,10 +114,12 @@ def key(group: int, chunk: int) -> RecordKey:
 
 
 def fill(store: KVStore, kv: SyntheticKV) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Write every record; the per-group summaries (kmin, kmax), shape (chunks, kv_heads, dim)."""
+    """Write every record; the per-group summaries (kmin, kmax), shape (chunks, kv_heads, dim),
+    in the keys' dtype."""
     summaries = []
     for g in range(kv.groups):
-        kmin, kmax = (torch.empty(kv.chunks, SHAPE.kv_heads, SHAPE.head_dim) for _ in range(2))
+        kmin, kmax = (torch.empty(kv.chunks, SHAPE.kv_heads, SHAPE.head_dim, dtype=SHAPE.dtype)
+                      for _ in range(2))
         for c in range(kv.chunks):
             block = kv.block(g, c)
             kmin[c], kmax[c] = summarize(block.keys[0])

@@ -29,7 +29,7 @@ def test_bound_never_below_true_max(dtype, group):
     gen = torch.Generator().manual_seed(10 * DTYPES.index(dtype) + group)
     kv_heads, dim, n = 3, 64, 6000
     keys = random_keys(gen, kv_heads, n, dim, dtype)
-    bounds = random_bounds(gen, n, 24)  # ~500 chunks, 1 to 24 tokens
+    bounds = random_bounds(gen, n, 12)  # ~900 chunks of 1 to 12 tokens: two scoring blocks
     kmin, kmax = summarize_segments(keys, bounds)
     segment = torch.repeat_interleave(torch.arange(bounds.numel() - 1), bounds.diff())
     k32, k64 = keys.float(), keys.double()
@@ -42,6 +42,21 @@ def test_bound_never_below_true_max(dtype, group):
             true_max = torch.full(bound.shape, -float("inf"), dtype=torch.float64)
             true_max.scatter_reduce_(0, segment[:, None, None].expand_as(dots), dots, "amax")
             assert bool((bound.double() >= true_max).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_summaries_kept_in_the_keys_dtype_score_as_fp32(dtype):
+    """min/max of fp16 / bf16 keys are fp16 / bf16 values: keeping the summaries in that dtype
+    (half the memory) changes no bound, in any scoring block."""
+    gen = torch.Generator().manual_seed(7)
+    keys = random_keys(gen, 2, 3000, 64, dtype)
+    kmin, kmax = summarize_segments(keys, random_bounds(gen, 3000, 4))  # ~1200 chunks
+    assert kmin.shape[0] > 1024
+    q = torch.randn(6, 64, generator=gen)
+    narrow = bound_scores(q, kmin.to(dtype), kmax.to(dtype))
+    assert torch.equal(narrow, bound_scores(q, kmin, kmax))
+    assert torch.equal(chunk_scores(q, kmin.to(dtype), kmax.to(dtype))[1],
+                       chunk_scores(q, kmin, kmax)[1])
 
 
 def test_single_key_bound_is_tight():
