@@ -12,7 +12,7 @@ from tierkv.pipeline.metrics import Metrics
 from tierkv.pipeline.plan import GroupFetch
 from tierkv.pipeline.transfer import Delivery, Transfer
 from tierkv.storage.base import KVBlock, RecordKey, StorageError
-from tierkv.storage.codec import codec_by_id
+from tierkv.storage.codec import codec_name_by_id
 
 READ_ERRORS = (StorageError, OSError, KeyError, ValueError)
 
@@ -166,7 +166,7 @@ def _priority(group: GroupFetch) -> int:
 
 def codec_name(codec) -> str:
     """The name of a codec given by name or by its on-disk id."""
-    return codec if isinstance(codec, str) else codec_by_id(codec).name
+    return codec if isinstance(codec, str) else codec_name_by_id(codec)
 
 
 def _check_alike(group: GroupFetch, parts: list[KVBlock]) -> None:

@@ -56,13 +56,20 @@ def _check_role(codec: str, role: str) -> None:
         raise ValueError(f"{codec} codec: role={role!r} must be 'k' or 'v'")
 
 
+_CHECKED_TARGETS: set = set()  # (codec, dtype, shape, role) already checked: a fetch decodes
+                               # thousands of records of a few shapes
+
+
 def _check_target(codec: str, dtype, shape, role: str) -> tuple[int, ...]:
+    if type(shape) is tuple and (codec, dtype, shape, role) in _CHECKED_TARGETS:
+        return shape
     if dtype not in DTYPES:
         raise ValueError(f"{codec} codec: dtype {dtype} must be float16, bfloat16 or float32")
     shape = tuple(shape)
     if not shape or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shape):
         raise ValueError(f"{codec} codec: shape {shape} must be a non-empty tuple of ints >= 0")
     _check_role(codec, role)
+    _CHECKED_TARGETS.add((codec, dtype, shape, role))
     return shape
 
 
@@ -313,10 +320,19 @@ def make_codec(name: str, config: CodecConfig | None = None) -> Codec:
 
 def codec_by_id(codec_id: int, config: CodecConfig | None = None) -> Codec:
     """The codec with numeric id ``codec_id`` (as stored on disk); ValueError when unknown."""
+    return _codec_class(codec_id)(config or CodecConfig())
+
+
+def codec_name_by_id(codec_id: int) -> str:
+    """The name of the codec with numeric id ``codec_id``; ValueError when unknown."""
+    return _codec_class(codec_id).name
+
+
+def _codec_class(codec_id: int) -> type[Codec]:
     if codec_id not in _BY_ID:
         raise ValueError(f"codec id {codec_id!r}: unknown, expected one of "
                          f"{', '.join(f'{i} ({c.name})' for i, c in _BY_ID.items())}")
-    return _BY_ID[codec_id](config or CodecConfig())
+    return _BY_ID[codec_id]
 
 
 def encode_block(codec: Codec, block: KVBlock) -> bytes:

@@ -19,7 +19,7 @@ import torch
 
 from ..config import CodecConfig, parse_size
 from .base import CorruptRecordError, KVBlock, RecordKey, Tier, TierFullError
-from .codec import codec_by_id, decode_block, encode_block, make_codec
+from .codec import Codec, codec_by_id, decode_block, encode_block, make_codec
 from .diskmeta import DocMeta
 from .diskread import RawRecord, read_batch
 from .segfiles import SegmentDir
@@ -62,6 +62,7 @@ class DiskTier(Tier):
             raise ValueError(f"segment_size={size}: must be in [4KiB, 1TiB]")
         self.path = Path(path)
         self.codec_config = codec
+        self._decoders: dict[int, Codec] = {}
         self.bytes_read = 0
         self._files = SegmentDir(self.path, size)
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tierkv-disk")
@@ -210,10 +211,13 @@ class DiskTier(Tier):
 
     def decode(self, raw: RawRecord) -> KVBlock:
         """The KVBlock of a RawRecord (CorruptRecordError when its payload is malformed)."""
-        try:
-            codec = codec_by_id(raw.codec, self.codec_config)
-        except ValueError as exc:
-            raise CorruptRecordError(f"record {raw.key}: {exc}") from None
+        codec = self._decoders.get(raw.codec)
+        if codec is None:
+            try:
+                codec = codec_by_id(raw.codec, self.codec_config)
+            except ValueError as exc:
+                raise CorruptRecordError(f"record {raw.key}: {exc}") from None
+            self._decoders[raw.codec] = codec  # codecs keep no per-call state
         return decode_block(codec, raw.payload, raw.dtype, raw.shape, verified=True)
 
     def read_raw_many(self, keys) -> list[RawRecord]:
