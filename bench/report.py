@@ -124,6 +124,10 @@ def decode_rows(d: dict) -> list[tuple]:
     return rows
 
 
+def _gb(nbytes) -> float | None:
+    return None if nbytes is None else nbytes / 1e9
+
+
 def scale_rows(d: dict) -> list[tuple]:
     rows = []
     for tokens, r in d.get("sizes", {}).items():
@@ -131,6 +135,12 @@ def scale_rows(d: dict) -> list[tuple]:
                   f"step {fmt(r.get('step_s', 0) * 1e3)} ms vs disk bytes / raw read bandwidth"),
                  (f"{tokens} tok: fetch / physical bound", r.get("fetch_over_physical_bound"),
                   "the step's KVStore.fetch time alone (host and disk records) / the same bound"),
+                 (f"{tokens} tok: step / extent bound", r.get("step_over_extent_bound"),
+                  "the same step vs plain reads of its own record extents (the disk's limit for "
+                  "scattered reads)"),
+                 (f"{tokens} tok: peak RSS GB", _gb(r.get("peak_rss_process")),
+                  f"whole run of the size, torch included; target: host budget "
+                  f"{fmt(_gb(r.get('host_budget')))} GB + 1 GB"),
                  (f"{tokens} tok: brute / step", r.get("brute_over_step"),
                   "reading every record / the selective step" if r.get("brute_s") else r.get("brute_skipped")),
                  (f"{tokens} tok: needle recall", r.get("needle_recall"), "planted needle chunks selected")]

@@ -20,7 +20,9 @@ def fake_results() -> dict:
                              "h2o": {"error": "TierFullError: boom"}}},
         "scale": {"machine": MACHINE, "sizes": {"16384": {"step_over_physical_bound": 1.7, "step_s": 0.2,
                                                           "brute_over_step": None, "brute_s": None,
-                                                          "brute_skipped": "too big", "needle_recall": 1.0}},
+                                                          "brute_skipped": "too big", "needle_recall": 1.0,
+                                                          "peak_rss_process": 4_830_000_000,
+                                                          "host_budget": 4_000_000_000}},
                   "not_run": {"1048576": "137 GB of KV"}},
         "mystery": {"machine": MACHINE},
     }
@@ -35,6 +37,9 @@ def test_render_rows_and_machine():
     assert "| decode | h2o | - | error: TierFullError: boom |" in table
     assert "| scale | 16384 tok: step / physical bound | 1.7 |" in table
     assert "| scale | 16384 tok: brute / step | - | too big |" in table
+    assert "| scale | 16384 tok: peak RSS GB | 4.83 | whole run of the size, torch included; target: " \
+           "host budget 4 GB + 1 GB |" in table
+    assert "| scale | 16384 tok: step / extent bound | - |" in table
     assert "not run: 137 GB of KV" in table
     assert "| mystery | - | - | no renderer for this file |" in table
     assert table.count("Machine: 2 CPUs, no GPU") == 1   # one machine, described once

@@ -6,7 +6,8 @@ import torch
 
 from tierkv.config import CodecConfig
 from tierkv.storage.base import CorruptRecordError, KVBlock
-from tierkv.storage.codec import (CODECS, codec_by_id, decode_block, encode_block, make_codec)
+from tierkv.storage.codec import (CODECS, codec_by_id, codec_name_by_id, decode_block, encode_block,
+                                  make_codec)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
@@ -76,6 +77,19 @@ def test_bad_inputs_raise_value_error(name):
         codec.decode(b"", torch.float16, (-1, 8), "k")
     with pytest.raises(ValueError, match="dtype"):
         codec.decode(b"", torch.int8, (4, 8), "k")
+    # a target decoded once is remembered as checked; other roles and shapes are still checked
+    x = torch.randn(SHAPES[0])
+    codec.decode(codec.encode(x, "k"), x.dtype, tuple(x.shape), "k")
+    with pytest.raises(ValueError, match="role"):
+        codec.decode(b"", x.dtype, tuple(x.shape), "q")
+    with pytest.raises(ValueError, match="shape"):
+        codec.decode(b"", x.dtype, ([4], 8), "k")
+
+
+def test_codec_name_by_id():
+    assert [codec_name_by_id(c.id) for c in CODECS.values()] == list(CODECS)
+    with pytest.raises(ValueError, match="7"):
+        codec_name_by_id(7)
 
 
 @pytest.mark.parametrize("name", ["raw", "zstd"])

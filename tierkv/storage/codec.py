@@ -56,19 +56,26 @@ def _check_role(codec: str, role: str) -> None:
         raise ValueError(f"{codec} codec: role={role!r} must be 'k' or 'v'")
 
 
-_CHECKED_TARGETS: set = set()  # (codec, dtype, shape, role) already checked: a fetch decodes
-                               # thousands of records of a few shapes
+# (codec, dtype, shape, role) already checked: a fetch decodes thousands of records of a few shapes
+_CHECKED_TARGETS: set = set()
+_CHECKED_MAX = 4096
 
 
 def _check_target(codec: str, dtype, shape, role: str) -> tuple[int, ...]:
-    if type(shape) is tuple and (codec, dtype, shape, role) in _CHECKED_TARGETS:
-        return shape
+    if type(shape) is tuple:
+        try:
+            if (codec, dtype, shape, role) in _CHECKED_TARGETS:
+                return shape
+        except TypeError:  # an unhashable part: the checks below name it
+            pass
     if dtype not in DTYPES:
         raise ValueError(f"{codec} codec: dtype {dtype} must be float16, bfloat16 or float32")
     shape = tuple(shape)
     if not shape or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shape):
         raise ValueError(f"{codec} codec: shape {shape} must be a non-empty tuple of ints >= 0")
     _check_role(codec, role)
+    if len(_CHECKED_TARGETS) >= _CHECKED_MAX:
+        _CHECKED_TARGETS.clear()
     _CHECKED_TARGETS.add((codec, dtype, shape, role))
     return shape
 
