@@ -19,7 +19,7 @@ import torch
 
 from ..config import CodecConfig, parse_size
 from .base import CorruptRecordError, KVBlock, RecordKey, Tier, TierFullError
-from .codec import Codec, codec_by_id, decode_block, encode_block, make_codec
+from .codec import Codec, codec_by_id, codec_name_by_id, decode_block, encode_block, make_codec
 from .diskmeta import DocMeta
 from .diskread import RawRecord, read_batch
 from .segfiles import SegmentDir
@@ -270,7 +270,7 @@ class DiskTier(Tier):
     def codec_of(self, key: RecordKey) -> str:
         """Name of the codec the record of ``key`` is stored with."""
         with self._lock:
-            return codec_by_id(self._files.index.live[key].header.codec).name
+            return codec_name_by_id(self._files.index.live[key].header.codec)
 
     def check(self) -> list[dict]:
         """Read and verify every live record: one dict (key, segment, offset, ok, error) each."""
