@@ -21,7 +21,7 @@ dropped. The oracles, from most to least free:
   weight over the heads, as ``omnikv`` ranks), sinks and recent window always in, dense layers as
   above: the ceiling of a per-layer selection (``leoam``, ``quest``);
 * ``per_layer_chunks``: the same on the chunk grid the selective policies seal
-  (``ChunkConfig().min`` tokens), chunks ranked by exact mass per token fetched;
+  (``ChunkConfig().base`` tokens), chunks ranked by exact mass per token fetched;
 * ``filter_tokens`` / ``filter_chunks``: each layer reuses its filter layer's exact choice of this
   step (OmniKV's reuse across layers), tokens or chunks: the ceiling of ``omnikv`` and ``tierkv``.
 
@@ -45,7 +45,7 @@ from tierkv.config import ChunkConfig
 from tierkv.hf.profile import load_profile
 from tierkv.policies.omnikv import DEFAULT_FILTERS
 
-CHUNK = ChunkConfig().min
+CHUNK = ChunkConfig().base
 
 
 class Oracle(NamedTuple):

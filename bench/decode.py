@@ -202,7 +202,7 @@ def main(argv=None) -> dict:
                         help="run only these cases beside full_memory (for profiling; the "
                              "result file is not written)")
     parser.add_argument("--chunk-min", type=int, metavar="N",
-                        help="with --cases: the selective policies seal N-token chunks "
+                        help="with --cases: the adaptive trees split leaves down to N tokens "
                              f"(ChunkConfig.min, default {ChunkConfig().min})")
     args = parser.parse_args(argv)
     if args.chunk_min is not None:

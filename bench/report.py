@@ -47,13 +47,13 @@ def selection_rows(d: dict) -> list[tuple]:
                   "the same for leaves chosen by exact scores: the ceiling of any ranking of these leaves"),
                  (f"{doc}: bound-ranking recall", adaptive.get("bound_mass_recall"),
                   "the same with Quest's upper-bound ranking (pruned tree search)")]
-        for case in ("adaptive_min4", "adaptive_min2"):
+        for case in ("adaptive_min4", "adaptive_min8"):
             finer = r.get("cases", {}).get(case)
             if finer:
                 config = d.get("config", {}).get("cases", {}).get(case, {})
                 rows.append((f"{doc}: LKA mass recall, {case}", finer.get("lka_mass_recall"),
                              f"leaves of {config.get('min')}-{config.get('max')} tokens (default "
-                             f"8-512); chunk oracle {finer.get('chunk_oracle_recall', 0):.3f}"))
+                             f"2-512); chunk oracle {finer.get('chunk_oracle_recall', 0):.3f}"))
     return rows
 
 

@@ -5,8 +5,8 @@ function registered through ``transformers.AttentionInterface`` captures every l
 queries and keys. Per layer, one tree per case holds the prompt's sealed tokens (everything
 before the recent window): ``fixed64`` (64-token leaves, never adapted), ``adaptive`` (the
 project's default ChunkConfig) and ``adaptive_base64`` (adaptive, starting from 64-token
-leaves); ``adaptive_seal8``, ``adaptive_min4`` and ``adaptive_min2`` show how the recall follows
-the smallest leaf.
+leaves); ``adaptive_min4``, ``adaptive_min8`` and ``adaptive_min8_base16`` show how the recall follows
+the smallest leaf (the default splits down to 2 tokens).
 Adaptive trees are adapted by ``ChunkTree.update`` with the layer's exact attention for the
 last ``WARMUP`` prompt positions, then online after each decode step. At a 10 % token budget,
 each decode step measures:
@@ -45,11 +45,10 @@ from tierkv.tree import ChunkTree  # noqa: E402
 FIXED = ChunkConfig(min=64, base=64, max=64)
 CASES = {"fixed64": FIXED, "adaptive": ChunkConfig(),  # the project's default tree
          "adaptive_base64": ChunkConfig(min=16, base=64, max=1024),  # same start as fixed64
-         "adaptive_seal8": ChunkConfig(base=8),  # as the selective policies seal (8-token chunks)
-         # finer leaves: the runtime's selective policies seal at ChunkConfig.min, so these are
-         # also its record sizes if chosen (the recall they buy costs per-record work there)
+         # smallest leaf larger: the recall follows it (records stay ``base`` tokens in all)
          "adaptive_min4": ChunkConfig(min=4),
-         "adaptive_min2": ChunkConfig(min=2, base=8)}
+         "adaptive_min8": ChunkConfig(min=8),  # 8-token chunks that never split
+         "adaptive_min8_base16": ChunkConfig(min=8, base=16)}  # the default before 2026-11-22
 SELECT = SelectConfig(budget=0.1)
 WARMUP = 32
 PLOT_LAYERS = (2, 10, 18, 27)

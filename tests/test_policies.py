@@ -36,8 +36,8 @@ def test_budget_of_a_group_counts_its_unsealed_tokens():
     assert policy.budget(cache, 0) == 100 - 40
 
 
-def test_omnikv_seals_the_smallest_leaves():
-    assert omnikv().chunk_tokens == CHUNKS.min
+def test_omnikv_seals_base_chunks():
+    assert omnikv().chunk_tokens == CHUNKS.base
 
 
 def test_fill_takes_sinks_then_densest_chunks():
@@ -51,17 +51,36 @@ def test_fill_takes_sinks_then_densest_chunks():
     assert fetched_tokens(index, leaves).numel() == 24
 
 
-def test_fill_counts_whole_records_of_split_leaves():
+def test_fill_takes_split_leaves_and_the_fetch_keeps_their_tokens():
     index, keys = index_over(64, 16)
     index.tree.split(SplitRequest(16, 32, 24, 0.9), keys[:, 16:32])
     assert index.tree.sizes.tolist() == [16, 8, 8, 16, 16]
     scores = torch.zeros(64)
     scores[20] = 1.0                  # in the split leaf [16, 24), whose record is [16, 32)
-    policy = omnikv(sinks=4)
+    policy = omnikv(sinks=4)          # record units: the split leaf brings its whole record
     assert policy._fill(index, scores, 24).tolist() == [0]        # 16 + 16 does not fit 24
     leaves = policy._fill(index, scores, 32)
     assert leaves.tolist() == [0, 1, 2]
-    assert fetched_tokens(index, leaves).tolist() == list(range(32))
+    assert index.fetch(leaves).positions.tolist() == list(range(32))
+    leaves = omnikv(sinks=4, fetch_unit="leaf")._fill(index, scores, 24)
+    assert leaves.tolist() == [0, 1]
+    spec = index.fetch(leaves)
+    assert [(k.start, k.end) for k in spec.keys] == [(0, 16), (16, 32)] and spec.tokens == 32
+    assert spec.positions.tolist() == list(range(24)) and spec.keep.tolist() == list(range(24))
+
+
+def test_fetch_keeps_the_chosen_leaves_of_shared_records():
+    index, keys = index_over(64, 16)
+    for start in (48, 32, 16):        # split [16, 32), [32, 48) and [48, 64) at their middles
+        index.tree.split(SplitRequest(start, start + 16, start + 8, 0.9), keys[:, start:start + 16])
+    assert index.tree.sizes.tolist() == [16, 8, 8, 8, 8, 8, 8]
+    spec = index.fetch(torch.tensor([2, 3, 6]))  # [24, 32), [32, 40), [56, 64)
+    assert [(k.start, k.end) for k in spec.keys] == [(16, 32), (32, 48), (48, 64)]
+    assert spec.positions.tolist() == [*range(24, 40), *range(56, 64)]
+    assert spec.keep.tolist() == [*range(8, 24), *range(40, 48)] and spec.tokens == 48
+    whole = index.fetch(torch.tensor([0, 1, 2]))
+    assert whole.keep is None and whole.positions.tolist() == list(range(32))
+    assert index.fetch(torch.zeros(0, dtype=torch.long)).keys == ()
 
 
 def test_fill_counts_merged_leaves_whole_and_fills_past_them():
@@ -80,8 +99,9 @@ def test_fill_counts_merged_leaves_whole_and_fills_past_them():
     assert leaves.tolist() == [0, 4, 7]
 
 
+@pytest.mark.parametrize("unit", ["record", "leaf"])
 @pytest.mark.parametrize("seed", range(20))
-def test_fill_never_exceeds_the_budget(seed):
+def test_fill_never_exceeds_the_budget(seed, unit):
     gen = torch.Generator().manual_seed(seed)
     index, keys = index_over(256, 8, seed)
     for leaf in torch.randperm(10, generator=gen)[:3].tolist():
@@ -90,7 +110,7 @@ def test_fill_never_exceeds_the_budget(seed):
             index.tree.split(SplitRequest(start, end, start + 4, 0.9), keys[:, start:end])
     scores = torch.rand(256, generator=gen) ** 8
     budget = int(torch.randint(8, 120, (1,), generator=gen))
-    tokens = fetched_tokens(index, omnikv(sinks=4)._fill(index, scores, budget))
+    tokens = fetched_tokens(index, omnikv(sinks=4, fetch_unit=unit)._fill(index, scores, budget))
     assert tokens.numel() <= budget
     assert tokens[:4].tolist() == [0, 1, 2, 3]
 
@@ -142,3 +162,8 @@ def test_quest_and_leoam_fetch_by_estimated_shares(name):
     policy = make_policy(name, 6, SelectConfig(budget=24, window=8, sinks=4), CHUNKS, {})
     cache = SimpleNamespace(get_seq_length=lambda: 72, index_of=lambda layer: index)
     assert policy.fetch(cache, 4, q[:, None]).tolist() == [0, 3]  # the sink page, then leaf 3
+
+
+def test_fetch_unit_is_checked():
+    with pytest.raises(ValueError, match="fetch_unit='token'"):
+        SelectConfig(fetch_unit="token")

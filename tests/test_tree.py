@@ -223,3 +223,40 @@ def test_state_round_trip_and_refusal():
     bad = dict(state, records=state["records"] + 1)
     with pytest.raises(ValueError, match="tile"):
         ChunkTree(tree.config, 2, 4).load_state(bad, lambda a, b: None)
+
+
+def test_rewrites_follow_leaves_but_never_cut_records_below_base():
+    keys = torch.randn(KV, 64, DIM, generator=torch.Generator().manual_seed(5))
+    tree, store = ChunkTree(ChunkConfig(min=2, base=8, max=64), KV, DIM), FakeStore()
+    for start in range(0, 64, 16):
+        tree.append_keys(keys[:, start:start + 16], store.put(keys[:, start:start + 16]))
+    tree.split(SplitRequest(0, 16, 8, 0.9), keys[:, :16])       # 8 + 8: two 8-token records
+    tree.split(SplitRequest(16, 32, 20, 0.9), keys[:, 16:32])   # 4 + 12: one record stays
+    tree.split(SplitRequest(16, 20, 18, 0.9), keys[:, 16:20])   # 2 + 2 inside it
+    assert tree.bounds.tolist() == [0, 8, 16, 18, 20, 32, 48, 64]
+    assert [(rw.cuts, len(rw.old)) for rw in tree.pending_rewrites()] == [((0, 8, 16), 1)]
+    store.rewrite_all(tree, torch.Generator().manual_seed(0))  # may commit or not
+    for rw in tree.pending_rewrites():
+        data = torch.cat([store.records.pop(r.handle) for r in rw.old], dim=1)
+        tree.commit_rewrite(rw, [store.put(data[:, a - rw.cuts[0]:b - rw.cuts[0]])
+                                 for a, b in zip(rw.cuts, rw.cuts[1:])])
+    assert [(r.start, r.end) for r in tree.records] == [(0, 8), (8, 16), (16, 32), (32, 48),
+                                                        (48, 64)]
+    assert tree.pending_rewrites() == []
+    check(tree, store, keys, every_leaf=True)
+    cold = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0])    # [32, 64) merges: one record
+    for _ in range(6):
+        tree.update(cold, torch.zeros(tree.num_leaves, dtype=torch.bool))
+        cold = cold[:tree.num_leaves]
+    assert tree.bounds.tolist()[-2:] == [32, 64]
+    assert [(rw.cuts, len(rw.old)) for rw in tree.pending_rewrites()] == [((32, 64), 2)]
+
+
+def test_record_cuts_keep_records_at_least_floor():
+    from tierkv.tree import record_cuts_for
+
+    assert record_cuts_for([0, 2, 4, 6, 8], 8) == (0, 8)
+    assert record_cuts_for([0, 8, 12, 16], 8) == (0, 8, 16)
+    assert record_cuts_for([0, 4, 12, 16, 24], 8) == (0, 12, 24)
+    assert record_cuts_for([0, 3], 8) == (0, 3)
+    assert record_cuts_for([0, 2, 4, 8], 1) == (0, 2, 4, 8)

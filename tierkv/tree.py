@@ -8,7 +8,8 @@ it grows: the next append joins it. Leaves are a structure of arrays (``bounds``
 Payloads live in *records* (opaque handles with a token range) which tile ``[0, n)`` on their
 own. After a merge or a split, leaves and records differ; ``records_for`` tells which records to
 fetch for some leaves (the caller slices), and ``pending_rewrites`` lists the record rewrites
-that would make them match again, for the storage to do when idle and ``commit_rewrite``.
+that make records follow the leaves again (never below ``config.base`` tokens: smaller leaves
+share a record), for the storage to do when idle and ``commit_rewrite``.
 
 Above the leaves, ``levels`` keeps a min/max summary of every ``FANOUT**j`` consecutive leaves,
 so a search can prune a whole subtree whose bound is below the current k-th best.
@@ -277,16 +278,29 @@ class ChunkTree:
         return [self._records[i] for i in (covered.cumsum(0) > 0).nonzero().flatten().tolist()]
 
     def pending_rewrites(self) -> list[Rewrite]:
-        """Record rewrites that would give every leaf exactly one record of its own range."""
+        """Record rewrites that make the records follow the leaves.
+
+        Between two cuts that leaves and records share, the records are rewritten when their
+        cuts differ from the leaf cuts kept by ``record_cuts``: a leaf made by merges gets one
+        record, a record holding several leaves is cut at their bounds, but never into records
+        of fewer than ``config.base`` tokens (the size chunks are sealed at). Leaves split below
+        that share a record: a fetch reads it and keeps their tokens (``GroupIndex.fetch``), so
+        a split never turns into many tiny records to read.
+        """
         leaf_cuts = self.bounds.tolist()
         record_cuts = [r.start for r in self._records] + [self.n]
-        common = sorted(set(leaf_cuts) & set(record_cuts))
-        rewrites = []
-        for lo, hi in zip(common, common[1:]):
-            old = tuple(r for r in self._records if lo <= r.start < hi)
-            cuts = tuple(c for c in leaf_cuts if lo <= c <= hi)
-            if len(old) > 1 or len(cuts) > 2:
-                rewrites.append(Rewrite(old, cuts))
+        shared = set(record_cuts)
+        rewrites, first, r = [], 0, 0
+        for i, cut in enumerate(leaf_cuts[1:], 1):
+            if cut not in shared:
+                continue
+            r_lo = r
+            while record_cuts[r] < cut:
+                r += 1
+            cuts = record_cuts_for(leaf_cuts[first:i + 1], self.config.base)
+            if cuts != tuple(record_cuts[r_lo:r + 1]):
+                rewrites.append(Rewrite(tuple(self._records[r_lo:r]), cuts))
+            first = i
         return rewrites
 
     def commit_rewrite(self, rewrite: Rewrite, handles: list[Hashable]) -> None:
@@ -362,6 +376,18 @@ class ChunkTree:
         ends = [0] + [r.end for r in self._records]
         if [r.start for r in self._records] != ends[:-1] or ends[-1] != self.n:
             raise RuntimeError("records do not tile [0, n)")
+
+
+def record_cuts_for(leaf_cuts: list[int], floor: int) -> tuple[int, ...]:
+    """The record cuts over the leaves cut at ``leaf_cuts`` (ascending, ends included): each leaf
+    cut taken left to right unless it would leave a record of fewer than ``floor`` tokens on
+    either side (a span shorter than ``floor`` stays one record)."""
+    cuts = [leaf_cuts[0]]
+    for cut in leaf_cuts[1:-1]:
+        if cut - cuts[-1] >= floor and leaf_cuts[-1] - cut >= floor:
+            cuts.append(cut)
+    cuts.append(leaf_cuts[-1])
+    return tuple(cuts)
 
 
 def _pack_runs(eligible: list[bool], sizes: list[int], limit: int) -> list[tuple[int, int]]:

@@ -6,6 +6,8 @@ import random
 import pytest
 import torch
 
+from transformers import DynamicCache
+
 from tierkv import SelectConfig, TierConfig, TieredCache
 from tierkv.textgen import city_fact, make_document, passkey_fact, question_turn
 
@@ -216,3 +218,48 @@ def test_dense_group_prefetch_starts_a_group_early_when_it_fits(model_and_tok, p
         assert len(before) > 1 and cache.policy.dense(cache, filters[-1])
         layers = {layer for layer, group in issued if group == dense_next}
         assert layers == ({before[0]} if early else {before[-1]})
+
+
+def test_split_leaves_attend_exactly_their_tokens(model_and_tok, passkey_cases, monkeypatch):
+    """tierkv's trees split hot leaves below their 8-token records; with ``fetch_unit="leaf"``
+    a fetch of such leaves keeps only their tokens of the records. Every layer attends keys equal to the plain model's
+    at the prompt positions it names, and no selecting layer attends more than its budget."""
+    from tierkv.hf.groups import GroupIndex
+
+    model, _ = model_and_tok
+    ids, _ = passkey_cases[3]
+    prompt = ids.shape[1]
+    with torch.no_grad():
+        ref = DynamicCache()
+        model(ids, past_key_values=ref, use_cache=True)
+    trimmed, checked = [], []
+    real_fetch = GroupIndex.fetch
+
+    def fetch(self, leaves):
+        spec = real_fetch(self, leaves)
+        if spec.keep is not None:
+            trimmed.append((spec.tokens, spec.positions.numel()))
+        return spec
+
+    monkeypatch.setattr(GroupIndex, "fetch", fetch)
+    select = SelectConfig(budget=0.1, fetch_unit="leaf")
+    with TieredCache(model, TierConfig(device_budget="8MB", host_budget="1GB"), "tierkv",
+                     select=select) as cache:
+        attend = cache.policy.attend
+
+        def spy(c, layer, q, k, v, positions, scaling):
+            if q.shape[1] == 1:
+                old = positions < prompt
+                want = ref.layers[layer].keys[0][:, positions[old]]
+                assert torch.allclose(k[:, old], want.to(k.dtype), atol=1e-3), layer
+                if cache.policy.is_selecting(cache, layer):
+                    assert positions.numel() <= select.tokens(cache.get_seq_length()), layer
+                checked.append(layer)
+            return attend(c, layer, q, k, v, positions, scaling)
+
+        cache.policy.attend = spy
+        generate(model, ids, cache, new=16)
+        leaves = [index.tree.sizes for index in cache.indexes]
+    assert min(int(s.min()) for s in leaves) < 8, "no leaf split below its record"
+    assert trimmed and all(kept < tokens for tokens, kept in trimmed)
+    assert len(checked) >= 15 * 30

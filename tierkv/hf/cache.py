@@ -170,11 +170,16 @@ class TieredCache(Cache):
     def _decode(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         if layer == 0:
             self._new_step()
-        block, positions = self.fetched(layer, self.policy.fetch(self, layer, q))
+        block, spec = self.fetched(layer, self.policy.fetch(self, layer, q))
+        positions = spec.positions
         wk, wv = self._window[layer]
         slot, n, w = self.slot_of[layer], positions.numel(), wk.shape[1]
         k, v = block.keys[slot], block.values[slot]
-        if k.shape[1] >= n + w:  # the fetch left room for the window: no copy of the chunks
+        if spec.keep is not None:  # leaves smaller than their records: keep the leaves' tokens
+            keep = spec.keep.to(k.device)
+            k, v = torch.cat([k.index_select(1, keep), wk], dim=1), torch.cat(
+                [v.index_select(1, keep), wv], dim=1)
+        elif k.shape[1] >= n + w:  # the fetch left room for the window: no copy of the chunks
             k[:, n:n + w].copy_(wk)
             v[:, n:n + w].copy_(wv)
             k, v = k[:, :n + w], v[:, :n + w]
@@ -195,16 +200,16 @@ class TieredCache(Cache):
 
     def fetched(self, layer: int, wanted: Fetch | torch.Tensor | None):
         """The records of ``layer``'s group that ``wanted`` names (a Fetch, leaf indices, or None
-        for all) on the device, once per step per group: (KVBlock, positions)."""
+        for all) on the device, once per step per group: (KVBlock of the records, Fetch)."""
         g = self.group_of[layer]
         spec = wanted if isinstance(wanted, Fetch) else self.indexes[g].fetch(wanted)
         hit = self._step.get(("fetch", g))
         if hit is not None and hit[0] == spec.keys:
-            return hit[1], spec.positions
+            return hit[1], spec
         if not spec.keys:
             empty = torch.zeros(len(self.groups[g]), self.shape.kv_heads, 0, self.shape.head_dim,
                                 dtype=self.shape.dtype, device=self.device)
-            return KVBlock(empty, empty), spec.positions
+            return KVBlock(empty, empty), spec
         pending = self._step.pop(("prefetch", g), None)
         if pending is None or pending[0] != spec.keys:
             self.prefetch(g, spec)
@@ -215,7 +220,7 @@ class TieredCache(Cache):
         self._step[("fetch", g)] = (spec.keys, block)
         if len(self.groups) > 1:
             self._look_ahead((g + 1) % len(self.groups), early=True)
-        return block, spec.positions
+        return block, spec
 
     def prefetch(self, group: int, spec: Fetch) -> None:
         """Start bringing ``spec``'s records of ``group`` to the device (pipelined, in flight
@@ -230,7 +235,7 @@ class TieredCache(Cache):
 
     def _fetch_bytes(self, group: int, spec: Fetch) -> int:
         """Device bytes a fetch of ``spec`` for ``group`` takes, with room for the window."""
-        tokens = len(spec.positions) + self.spare_tokens(group)
+        tokens = spec.tokens + self.spare_tokens(group)
         return tokens * self.shape.token_bytes(len(self.groups[group]))
 
     def spare_tokens(self, group: int) -> int:

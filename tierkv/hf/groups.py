@@ -4,7 +4,8 @@ A group's sealed tokens ``[0, sealed)`` are the leaves of a ``ChunkTree`` (adapt
 ``leoam``/``tierkv`` policies, fixed otherwise); each sealed chunk is first one stored record.
 Selection works on leaf indices and is turned into a ``Fetch`` (record keys + token positions)
 before the tree adapts, so merges and splits never disturb a step's fetch. Record rewrites that
-make records match merged/split leaves run only when the cache is idle (``rewrite``).
+make records follow merged/split leaves (never below ``ChunkConfig.base`` tokens: smaller
+leaves share a record) run only when the cache is idle (``rewrite``).
 """
 from __future__ import annotations
 
@@ -19,10 +20,14 @@ from ..tree import ChunkTree
 
 
 class Fetch(NamedTuple):
-    """What a step brings up for a group: records (in token order) and the positions they hold."""
+    """What a step brings up for a group: records (in token order), the positions attention
+    reads, and ``keep``: which of the records' tokens those are (indices into the records'
+    tokens concatenated; None for all), when leaves smaller than their records were chosen."""
 
     keys: tuple[RecordKey, ...]
     positions: torch.Tensor
+    keep: torch.Tensor | None = None
+    tokens: int = 0  # tokens the records hold (what the fetch moves)
 
 
 class GroupIndex:
@@ -64,12 +69,22 @@ class GroupIndex:
         return new
 
     def fetch(self, leaves: torch.Tensor | None) -> Fetch:
-        """The records holding ``leaves`` (all when None) and the token positions they cover."""
+        """The records holding ``leaves`` (LongTensor of leaf indices; all when None) and the
+        positions of the leaves' tokens in them (``Fetch.keep`` when the records hold more)."""
         if leaves is None:
             if self._all is None:
                 self._all = self._fetch(self.tree.records)
             return self._all
-        return self._fetch(self.tree.records_for(leaves))
+        spec = self._fetch(self.tree.records_for(leaves))
+        bounds = self.tree.bounds
+        inside = torch.zeros(self.sealed + 1, dtype=torch.long)
+        inside.index_add_(0, bounds[leaves], torch.ones_like(leaves))
+        inside.index_add_(0, bounds[leaves + 1], -torch.ones_like(leaves))
+        wanted = inside.cumsum(0)[spec.positions] > 0
+        if bool(wanted.all()):
+            return spec
+        keep = wanted.nonzero().flatten()
+        return spec._replace(positions=spec.positions[keep], keep=keep)
 
     @staticmethod
     def _fetch(records) -> Fetch:
@@ -78,7 +93,8 @@ class GroupIndex:
         starts = torch.tensor([r.start for r in records])
         lens = torch.tensor([r.end - r.start for r in records])
         offsets = torch.repeat_interleave(starts - torch.cumsum(lens, 0) + lens, lens)
-        return Fetch(tuple(r.handle for r in records), torch.arange(int(lens.sum())) + offsets)
+        tokens = int(lens.sum())
+        return Fetch(tuple(r.handle for r in records), torch.arange(tokens) + offsets, None, tokens)
 
     def bound_scores(self, q: torch.Tensor) -> torch.Tensor:
         """Ranking of the leaves by their LKA upper bound of ``q . k``: (m,), higher is better.

@@ -18,9 +18,9 @@ class LeoAM(Quest):
     exactly over what it fetched, and folds that attention back into the tree: cold runs merge
     (IAKM), up to a quarter of the budget.
 
-    Chunks are sealed at the smallest leaf size (``ChunkConfig.min``) and leaves only grow, by
-    merging deserts: small leaves have tight bounds and are what a small budget can hold (see
-    ``quest``). A merged leaf does not split back here (no keys are passed to ``adapt``).
+    Chunks are sealed at ``ChunkConfig.base`` tokens (8 by default, as ``quest``'s pages) and
+    leaves only grow, by merging deserts: small leaves have tight bounds and are what a small
+    budget can hold (see ``quest``). A merged leaf does not split back here (no keys are passed to ``adapt``).
     ``tierkv`` ranks by exact filter-layer mass and does split.
     """
 
@@ -33,7 +33,7 @@ class LeoAM(Quest):
 
     @property
     def chunk_tokens(self) -> int:
-        return self.chunks.min
+        return self.chunks.base
 
     def fetch(self, cache, layer, q):
         leaves = super().fetch(cache, layer, q)

@@ -6,7 +6,9 @@ smoothed over recent steps by the selector), is summed per chunk of the followin
 the densest chunks within the token budget are that group's fetch plan for the step (OmniKV),
 fetched as one packed load.
 
-Chunks are sealed at the smallest leaf size (``ChunkConfig.min``): the tokens a filter layer
+Chunks are sealed small (``ChunkConfig.base``, 8 tokens by default), and ``tierkv``'s adaptive
+trees split the leaves the filter layers single out further, down to ``ChunkConfig.min``, while
+the records stay whole (a fetch keeps the chosen leaves' tokens): the tokens a filter layer
 singles out are scattered (the earlier uses of a word, a planted fact), and a chunk brings its
 neighbours along at the same cost. Measured with ``tierkv`` on SmolLM2-135M, 2K-token generated
 documents, 10 % budget, teacher-forced (3 x 64 tokens), against full attention: top-1
@@ -51,7 +53,7 @@ class OmniKV(Policy):
 
     @property
     def chunk_tokens(self) -> int:
-        return self.chunks.min
+        return self.chunks.base
 
     def record_tokens(self, group):
         if group[0] < self.filters[0] or self._full_after(group):
@@ -146,14 +148,17 @@ class OmniKV(Policy):
         """Leaves to fetch: those holding the sinks, then whole fetch units by mass per token
         while they fit in ``budget`` tokens; ascending LongTensor of leaf indices.
 
-        A fetch unit is the shortest run of tokens that is both whole leaves and whole records
-        (a leaf split or merged since its records were last rewritten brings them all), so the
-        tokens counted are the tokens fetched and attended. Units that do not fit after the
-        first one that overflows still compete for what is left.
+        A fetch unit (``SelectConfig.fetch_unit``) is a leaf, or the shortest run of tokens that
+        is both whole leaves and whole records (a leaf split or merged since its records were
+        last rewritten brings them all), so the tokens counted are the tokens attended (a fetch
+        keeps the chosen leaves' tokens of records that hold more, ``GroupIndex.fetch``). Units
+        that do not fit after the first one that overflows still compete for what is left.
         """
         tree = index.tree
-        records = torch.tensor([r.start for r in tree.records] + [tree.n])
-        cuts = tree.bounds[torch.isin(tree.bounds, records)]
+        cuts = tree.bounds
+        if self.select.fetch_unit == "record":
+            records = torch.tensor([r.start for r in tree.records] + [tree.n])
+            cuts = cuts[torch.isin(cuts, records)]
         prefix = torch.zeros(tree.n + 1, dtype=torch.float64)
         torch.cumsum(scores[: tree.n].double(), 0, out=prefix[1:])
         mass, sizes = (prefix[cuts[1:]] - prefix[cuts[:-1]]).float(), cuts.diff()
