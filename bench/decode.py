@@ -45,6 +45,7 @@ from tierkv.textgen import make_document
 SPARSE = ("quest", "leoam", "omnikv", "h2o", "razor", "tierkv")
 DEVICE_SHARE, HOST_SHARE, SELECT = 0.05, 0.20, 0.1
 CHUNKS = ChunkConfig()  # the default tree; ``--chunk-min`` changes it for a profiling run
+FETCH_UNIT = "record"  # SelectConfig.fetch_unit; ``--fetch-unit`` changes it for a profiling run
 BRUTE_HOST = 1_000_000
 PAIR_BLOCK = 8  # decode steps per turn when full_memory and tierkv alternate
 
@@ -104,7 +105,8 @@ def new_cache(model, policy: str, device: int, host: int, disk_dir: Path) -> Tie
     """A TieredCache over an emptied ``disk_dir`` with the bench's budgets and selection."""
     shutil.rmtree(disk_dir, ignore_errors=True)
     config = TierConfig(device_budget=device, host_budget=host, disk_dir=disk_dir, device="cpu")
-    return TieredCache(model, config, policy, select=SelectConfig(budget=SELECT), chunks=CHUNKS)
+    return TieredCache(model, config, policy, select=SelectConfig(budget=SELECT, fetch_unit=FETCH_UNIT),
+                       chunks=CHUNKS)
 
 
 def drop_disk(cache: TieredCache) -> None:
@@ -204,7 +206,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--chunk-min", type=int, metavar="N",
                         help="with --cases: the adaptive trees split leaves down to N tokens "
                              f"(ChunkConfig.min, default {ChunkConfig().min})")
+    parser.add_argument("--fetch-unit", choices=("record", "leaf"),
+                        help="with --cases: what omnikv/tierkv fill the budget with "
+                             "(SelectConfig.fetch_unit, default record)")
     args = parser.parse_args(argv)
+    if args.fetch_unit is not None:
+        if not args.cases:
+            parser.error("--fetch-unit is a profiling option: give --cases too")
+        global FETCH_UNIT
+        FETCH_UNIT = args.fetch_unit
     if args.chunk_min is not None:
         if not args.cases:
             parser.error("--chunk-min is a profiling option: give --cases too")

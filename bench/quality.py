@@ -92,7 +92,7 @@ def prefill_class(cache: TieredCache) -> tuple | None:
     groups and record sizes. None when the policy also keeps prefill state of its own."""
     if cache.policy.wants_prefill_mass:
         return None
-    return tuple(cache.groups), tuple(cache.record_tokens)
+    return tuple(cache.groups), tuple(cache.record_tokens), tuple(cache.leaf_tokens)
 
 
 def hold_on_host(cache: TieredCache) -> None:

@@ -167,3 +167,17 @@ def test_quest_and_leoam_fetch_by_estimated_shares(name):
 def test_fetch_unit_is_checked():
     with pytest.raises(ValueError, match="fetch_unit='token'"):
         SelectConfig(fetch_unit="token")
+
+
+def test_leaf_units_seal_selecting_groups_as_smallest_leaves():
+    policy = omnikv(fetch_unit="leaf")            # filter layer 1 of 6: (0,) dense, (1,) filter
+    assert [policy.leaf_tokens(g) for g in policy.groups()] == [None, None] + [CHUNKS.min] * (
+        len(policy.groups()) - 2)
+    assert all(omnikv().leaf_tokens(g) is None for g in omnikv().groups())
+    keys = torch.randn(KV, 24, DIM)
+    index = GroupIndex("doc", 0, KV, DIM, CHUNKS)
+    index.add([(0, 8), (8, 16), (16, 24)], keys, CHUNKS.min)
+    assert index.tree.bounds.tolist() == [0, 4, 8, 12, 16, 20, 24]
+    assert [(k.start, k.end) for k in index.keys] == [(0, 8), (8, 16), (16, 24)]
+    spec = index.fetch(torch.tensor([1, 4]))
+    assert spec.positions.tolist() == [*range(4, 8), *range(16, 20)] and spec.tokens == 16

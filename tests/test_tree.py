@@ -5,7 +5,7 @@ import torch
 from tierkv.config import ChunkConfig, SelectConfig
 from tierkv.select import adaptation_scores, select_by_scores
 from tierkv.summary import summarize_segments
-from tierkv.tree import ChunkTree, SplitRequest
+from tierkv.tree import ChunkTree, RecordRef, SplitRequest
 
 SMALL = ChunkConfig(min=4, base=8, max=32, desert_threshold=0.3, merge_after=2,
                     split_concentration=0.7)
@@ -260,3 +260,45 @@ def test_record_cuts_keep_records_at_least_floor():
     assert record_cuts_for([0, 4, 12, 16, 24], 8) == (0, 12, 24)
     assert record_cuts_for([0, 3], 8) == (0, 3)
     assert record_cuts_for([0, 2, 4, 8], 1) == (0, 2, 4, 8)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_append_many_matches_appends_one_by_one(seed):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(KV, 200, DIM, generator=gen)
+    one, many = ChunkTree(SMALL, KV, DIM), ChunkTree(SMALL, KV, DIM)
+    one.append_keys(keys[:, :2], "tail")      # a short tail the first new leaf joins
+    many.append_keys(keys[:, :2], "tail")
+    sizes = torch.randint(SMALL.min, SMALL.base + 1, (30,), generator=gen)
+    cuts = torch.cat([torch.tensor([2]), 2 + sizes.cumsum(0)])
+    cuts = cuts[cuts <= 200]
+    for a, b in zip(cuts.tolist(), cuts.tolist()[1:]):
+        one.append_keys(keys[:, a:b], (a, b))
+    lo, hi = summarize_segments(keys[:, 2:int(cuts[-1])], cuts - 2)
+    records = [RecordRef((a, b), a, b) for a, b in zip(cuts.tolist(), cuts.tolist()[1:])]
+    many.append_many(cuts, lo, hi, records)
+    for name in ("bounds", "kmin", "kmax", "ema", "selected_count", "cold"):
+        assert torch.allclose(getattr(one, name).double(), getattr(many, name).double()), name
+    assert one.records == many.records
+    many.validate()
+
+
+def test_append_many_holds_several_leaves_per_record_and_checks_its_input():
+    keys = torch.randn(KV, 16, DIM)
+    tree = ChunkTree(ChunkConfig(min=2, base=8, max=64), KV, DIM)
+    cuts = torch.tensor([0, 2, 4, 6, 8, 10, 12, 16])
+    lo, hi = summarize_segments(keys, cuts)
+    with pytest.raises(ValueError, match="tile"):
+        tree.append_many(cuts, lo, hi, [RecordRef("a", 0, 8)])
+    with pytest.raises(ValueError, match="kmin"):
+        tree.append_many(cuts, lo[1:], hi[1:], [RecordRef("a", 0, 8), RecordRef("b", 8, 16)])
+    with pytest.raises(ValueError, match="start at n=0"):
+        tree.append_many(cuts + 1, lo, hi, [RecordRef("a", 1, 9), RecordRef("b", 9, 17)])
+    with pytest.raises(ValueError, match="leaf sizes"):
+        tree.append_many(torch.tensor([0, 1, 16]), lo[:2], hi[:2],
+                         [RecordRef("a", 0, 8), RecordRef("b", 8, 16)])
+    assert tree.n == 0 and tree.records == []             # nothing half-done
+    tree.append_many(cuts, lo, hi, [RecordRef("a", 0, 8), RecordRef("b", 8, 16)])
+    assert tree.sizes.tolist() == [2, 2, 2, 2, 2, 2, 4] and len(tree.records) == 2
+    assert [r.handle for r in tree.records_for(torch.tensor([1, 5]))] == ["a", "b"]
+    assert tree.pending_rewrites() == []

@@ -138,6 +138,53 @@ class ChunkTree:
         self.kmin[-1] = torch.minimum(self.kmin[-1], lo[0])
         self.kmax[-1] = torch.maximum(self.kmax[-1], hi[0])
 
+    def append_many(self, cuts: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                    records: list[RecordRef]) -> None:
+        """Seal tokens ``[cuts[0], cuts[-1])`` (``cuts[0] == n``) as leaves cut at ``cuts``
+        (LongTensor (k+1,)), stored in ``records`` (contiguous, covering the same tokens), in
+        one batched update. A record may hold several leaves.
+
+        kmin, kmax : Tensor, shape (k, kv_heads, head_dim). Leaves hold ``min`` to ``max``
+        tokens, the last one possibly fewer; a short tail before them absorbs the first.
+        """
+        cuts = torch.as_tensor(cuts, dtype=torch.long)
+        k = cuts.numel() - 1
+        sizes = cuts.diff()
+        if k < 1 or int(cuts[0]) != self.n or bool((sizes < 1).any()):
+            raise ValueError(f"leaf cuts {cuts.tolist()[:8]}...: must start at n={self.n} and "
+                             "increase strictly")
+        if kmin.shape != (k, self.kv_heads, self.head_dim) or kmax.shape != kmin.shape:
+            raise ValueError(f"kmin {tuple(kmin.shape)} / kmax {tuple(kmax.shape)}: expected "
+                             f"({k}, {self.kv_heads}, {self.head_dim})")
+        c = self.config
+        if bool((sizes > c.max).any()) or bool((sizes[:-1] < c.min).any()):
+            raise ValueError(f"leaf sizes {sizes.tolist()[:8]}...: must be {c.min} to {c.max} "
+                             "tokens (the last may be shorter)")
+        ends = [r.start for r in records[1:]] + [cuts[-1]]
+        if not records or records[0].start != self.n or any(
+                r.end != e or r.end <= r.start for r, e in zip(records, ends)) or \
+                records[-1].end != int(cuts[-1]):
+            raise ValueError(f"records {[(r.start, r.end) for r in records][:4]}...: must tile "
+                             f"[{self.n}, {int(cuts[-1])})")
+        grow = self.num_leaves > 0 and int(self.sizes[-1]) < c.min
+        if grow and int(cuts[1]) - int(self.bounds[-2]) > c.max:
+            raise ValueError(f"appending up to {int(cuts[1])} after a short tail would make a "
+                             f"leaf over max={c.max} tokens")
+        self._records.extend(records)
+        self._levels = None
+        lo, hi = kmin.float(), kmax.float()
+        if grow:
+            self._grow_tail(int(cuts[1]), lo[:1], hi[:1])
+            cuts, lo, hi, k = cuts[1:], lo[1:], hi[1:], k - 1
+            if k == 0:
+                return
+        ends = cuts[1:]
+        self.bounds = torch.cat([self.bounds, ends])
+        self.kmin, self.kmax = torch.cat([self.kmin, lo]), torch.cat([self.kmax, hi])
+        self.ema = torch.cat([self.ema, cuts.diff().float() / ends.float()])
+        self.selected_count = torch.cat([self.selected_count, self.cold.new_zeros(k)])
+        self.cold = torch.cat([self.cold, self.cold.new_zeros(k)])
+
     def append_keys(self, keys: torch.Tensor, record: Hashable) -> None:
         """Seal ``keys`` (kv_heads, t, head_dim) as tokens ``[n, n + t)`` stored in ``record``."""
         kmin, kmax = summarize(keys)

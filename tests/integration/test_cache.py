@@ -258,7 +258,9 @@ def test_split_leaves_attend_exactly_their_tokens(model_and_tok, passkey_cases, 
             return attend(c, layer, q, k, v, positions, scaling)
 
         cache.policy.attend = spy
-        generate(model, ids, cache, new=16)
+        with torch.no_grad():
+            model.generate(ids, min_new_tokens=16, max_new_tokens=16, do_sample=False,
+                           past_key_values=cache)
         leaves = [index.tree.sizes for index in cache.indexes]
     assert min(int(s.min()) for s in leaves) < 8, "no leaf split below its record"
     assert trimmed and all(kept < tokens for tokens, kept in trimmed)

@@ -95,6 +95,7 @@ class TieredCache(Cache):
         self.group_of = {layer: g for g, group in enumerate(self.groups) for layer in group}
         self.slot_of = {layer: i for group in self.groups for i, layer in enumerate(group)}
         self.record_tokens = [self.policy.record_tokens(group) for group in self.groups]
+        self.leaf_tokens = [self.policy.leaf_tokens(group) for group in self.groups]
         self.indexes = [GroupIndex(self.doc, g, self.shape.kv_heads, self.shape.head_dim, self.chunks)
                         for g in range(len(self.groups))]
         auto = config.codec.codec == "auto" and config.disk_dir is not None
@@ -319,7 +320,7 @@ class TieredCache(Cache):
         index = self.indexes[g]
         start, step = index.sealed, self.record_tokens[g]
         bounds = [(s, s + step) for s in range(start, start + keys.shape[2], step)]
-        records = index.add(bounds, keys[0])
+        records = index.add(bounds, keys[0], self.leaf_tokens[g])
         hot = self._importance(g)
         for key, (s, e) in zip(records, bounds):
             block = KVBlock(keys[:, :, s - start:e - start], values[:, :, s - start:e - start])

@@ -16,7 +16,7 @@ import torch
 from ..config import ChunkConfig
 from ..storage.base import KVBlock, RecordKey
 from ..summary import chunk_scores, head_shares, summarize_segments
-from ..tree import ChunkTree
+from ..tree import ChunkTree, RecordRef
 
 
 class Fetch(NamedTuple):
@@ -53,18 +53,22 @@ class GroupIndex:
     def keys(self) -> list[RecordKey]:
         return [r.handle for r in self.tree.records]
 
-    def add(self, bounds: list[tuple[int, int]], keys: torch.Tensor) -> list[RecordKey]:
-        """Add chunks over ``bounds`` (contiguous, from ``sealed``) of the scoring layer's keys.
+    def add(self, bounds: list[tuple[int, int]], keys: torch.Tensor,
+            leaf_tokens: int | None = None) -> list[RecordKey]:
+        """Add records over ``bounds`` (contiguous, from ``sealed``) of the scoring layer's keys.
 
-        keys : Tensor, shape (kv_heads, tokens, head_dim) covering exactly the chunks, in order.
-        Returns the record keys of the new chunks.
+        keys : Tensor, shape (kv_heads, tokens, head_dim) covering exactly the records, in order.
+        leaf_tokens : cut each record into leaves of this many tokens (its last leaf takes the
+            remainder); one leaf per record when None.
+        Returns the record keys of the new records.
         """
         start = bounds[0][0]
-        cuts = torch.tensor([s - start for s, _ in bounds] + [bounds[-1][1] - start])
-        kmin, kmax = summarize_segments(keys, cuts)
+        cuts = [s for s, e in bounds for s in _leaf_starts(s, e, leaf_tokens)] + [bounds[-1][1]]
+        cuts = torch.tensor(cuts)
+        kmin, kmax = summarize_segments(keys, cuts - start)
         new = [RecordKey(self.doc, self.group, s, e) for s, e in bounds]
-        for i, (key, (s, e)) in enumerate(zip(new, bounds)):
-            self.tree.append(s, e, kmin[i], kmax[i], key)
+        self.tree.append_many(cuts, kmin, kmax, [RecordRef(key, s, e) for key, (s, e) in
+                                                 zip(new, bounds)])
         self._all = None
         return new
 
@@ -190,3 +194,11 @@ class GroupIndex:
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         self.tree.load_state(state, lambda a, b: RecordKey(self.doc, self.group, a, b))
         self._all = None
+
+
+def _leaf_starts(start: int, end: int, leaf_tokens: int | None) -> range:
+    """Starts of the leaves a record ``[start, end)`` is cut into: ``leaf_tokens`` each, the
+    last one taking the remainder (one leaf when None or when the record is smaller)."""
+    if leaf_tokens is None or end - start < 2 * leaf_tokens:
+        return range(start, start + 1)
+    return range(start, end - leaf_tokens - (end - start) % leaf_tokens + 1, leaf_tokens)

@@ -64,6 +64,10 @@ class Policy:
         """Tokens per sealed record of the layer group ``group`` (its first chunking)."""
         return self.chunk_tokens
 
+    def leaf_tokens(self, group: tuple[int, ...]) -> int | None:
+        """Tokens per leaf when a record of ``group`` is sealed (None: one leaf per record)."""
+        return None
+
     def groups(self) -> list[tuple[int, ...]]:
         return [(i,) for i in range(self.layers)]
 

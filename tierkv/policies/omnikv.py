@@ -64,6 +64,14 @@ class OmniKV(Policy):
             return self.chunk_tokens
         return min(self.chunks.max, max(self.chunk_tokens, tokens))
 
+    def leaf_tokens(self, group):
+        """With ``fetch_unit="leaf"`` a selecting group's records are sealed as leaves of
+        ``ChunkConfig.min`` tokens, so the filter layers choose among them from the first step."""
+        if self.select.fetch_unit != "leaf" or group[0] < self.filters[0] or \
+                group[0] in self.filters or self._full_after(group):
+            return None
+        return self.chunks.min
+
     def _full_after(self, group) -> bool:
         return self.select.full_after_filter and len(group) == 1 and group[0] - 1 in self.filters
 
