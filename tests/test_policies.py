@@ -181,3 +181,21 @@ def test_leaf_units_seal_selecting_groups_as_smallest_leaves():
     assert [(k.start, k.end) for k in index.keys] == [(0, 8), (8, 16), (16, 24)]
     spec = index.fetch(torch.tensor([1, 4]))
     assert spec.positions.tolist() == [*range(4, 8), *range(16, 20)] and spec.tokens == 16
+
+
+def test_leaf_fill_keeps_the_records_it_moves_within_the_move_factor():
+    from tierkv.policies.omnikv import LEAF_MOVE_FACTOR
+
+    keys = torch.randn(KV, 64, DIM)
+    index = GroupIndex("doc", 0, KV, DIM, CHUNKS)
+    index.add([(s, s + 8) for s in range(0, 64, 8)], keys, CHUNKS.min)  # two 4-token leaves each
+    scores = torch.zeros(64)
+    for i, record in enumerate(range(1, 8)):   # a hot token in the first leaf of records 1..7
+        scores[8 * record] = 1.0 - 0.1 * i
+    budget = 20
+    assert LEAF_MOVE_FACTOR * budget < 32      # the fourth record would pass the limit
+    leaves = omnikv(sinks=4, fetch_unit="leaf")._fill(index, scores, budget)
+    # sinks' leaf, the hot leaves of records 1 and 2, then leaves of records already brought
+    assert leaves.tolist() == [0, 1, 2, 3, 4]
+    spec = index.fetch(leaves)
+    assert spec.tokens == 24 and spec.positions.tolist() == list(range(20))

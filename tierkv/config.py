@@ -198,15 +198,16 @@ class SelectConfig:
     ``fetch_unit`` is what ``omnikv``/``tierkv`` fill the budget with from a filter layer's
     scores: ``"record"`` (default), whole stored records (``ChunkConfig.base`` tokens), so a
     leaf split below its record brings the record; or ``"leaf"``: the selecting groups' records
-    are sealed as leaves of ``ChunkConfig.min`` tokens, the budget is filled with single leaves,
-    and attention reads only their tokens of the records fetched. Finer choice, but the chosen
-    leaves are spread over more records, which are read and moved whole. On SmolLM2:
+    are sealed as leaves of ``ChunkConfig.min`` tokens, the budget is filled with single leaves
+    (while the records they bring stay within ``omnikv.LEAF_MOVE_FACTOR`` = 1.5 x the budget),
+    and attention reads only their tokens of the records fetched. Finer choice, but records are
+    read and moved whole. On SmolLM2:
 
     * 8K decode, 64 steps (``bench.decode --cases tierkv --fetch-unit leaf``): top-1 agreement
-      0.953 against 0.922, but 35.3 MB read from disk per token against 12.2, and a device
-      peak of 38.8 MB against 23.1.
+      0.969 against 0.922, for 25.5 MB read from disk per token against 12.2 and a device peak
+      of 30.4 MB against 23.1.
     * 2K/4K/8K contexts, 64 teacher-forced tokens each, device tier 4x ``bench.quality``'s:
-      top-1 0.880 against 0.859 at a 10 % budget, 0.833 against 0.766 at 5 %.
+      top-1 0.870 against 0.859 at a 10 % budget, 0.818 against 0.766 at 5 %.
     """
 
     budget: float | int = 0.1

@@ -30,6 +30,11 @@ DENSE_RECORD_TOKENS = 128
 # Records of the filter layers: read whole, or (``tierkv`` on long contexts) preselected by
 # their LKA bounds with a wide margin, so coarser chunks than the selecting layers' serve them.
 FILTER_RECORD_TOKENS = 32
+# With ``fetch_unit="leaf"``, the records a step's chosen leaves bring stay within this many
+# times the token budget. 8K decode on SmolLM2 (64 steps, ``bench.decode --fetch-unit leaf``):
+# top-1 / MB read from disk per token: 0.922 / 12.8 at 1x, 0.938 / 20.7 at 1.25x, 0.969 / 25.5
+# at 1.5x, 0.953 / 34.2 at 2x, 0.953 / 35.3 with no limit (whole records: 0.922 / 12.2).
+LEAF_MOVE_FACTOR = 1.5
 # Adaptive trees fold a filter layer's scores in every this many decode steps: the tree follows
 # where attention settles over steps, and one step of it costs about a millisecond per group.
 ADAPT_EVERY = 4
@@ -161,10 +166,14 @@ class OmniKV(Policy):
         last rewritten brings them all), so the tokens counted are the tokens attended (a fetch
         keeps the chosen leaves' tokens of records that hold more, ``GroupIndex.fetch``). Units
         that do not fit after the first one that overflows still compete for what is left.
+        Leaves also stop where the records they bring would pass ``LEAF_MOVE_FACTOR`` x the
+        budget (or what the sinks bring); what is left goes to leaves of records already
+        brought.
         """
         tree = index.tree
         cuts = tree.bounds
-        if self.select.fetch_unit == "record":
+        leaf_units = self.select.fetch_unit == "leaf"
+        if not leaf_units:
             records = torch.tensor([r.start for r in tree.records] + [tree.n])
             cuts = cuts[torch.isin(cuts, records)]
         prefix = torch.zeros(tree.n + 1, dtype=torch.float64)
@@ -175,8 +184,16 @@ class OmniKV(Policy):
         order = torch.argsort(density, descending=True, stable=True)
         cost = sizes[order]
         take = cost.cumsum(0) <= max(budget, int(sizes[forced].sum()))
+        rest = ~take
+        if leaf_units:  # and the records they bring within LEAF_MOVE_FACTOR x the budget
+            spans = _record_spans(tree)
+            moved = _first_needed(spans, order, len(tree.records)).cumsum(0)
+            sinks = int(forced.sum())
+            floor = int(moved[sinks - 1]) if sinks else 0
+            take &= moved <= max(int(LEAF_MOVE_FACTOR * budget), floor)
+            rest = ~take & _all_brought(spans, order[take], len(tree.records))[order]
         left = budget - int(cost[take].sum())
-        rest = ~take & (cost <= left)
+        rest &= cost <= left
         take |= rest & ((cost * rest).cumsum(0) <= left)
         units = torch.zeros(sizes.numel(), dtype=torch.bool)
         units[order[take]] = True
@@ -195,3 +212,37 @@ class OmniKV(Policy):
             scores = (1 - rate) * grown + rate * scores
         self._smoothed[layer] = scores
         return scores
+
+
+def _record_spans(tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each leaf, the first and last index of the records holding its tokens, and the
+    tokens of every record: LongTensors (m,), (m,), (r,)."""
+    starts = torch.tensor([r.start for r in tree.records])
+    sizes = torch.tensor([r.end - r.start for r in tree.records])
+    first = torch.searchsorted(starts, tree.bounds[:-1], right=True) - 1
+    last = torch.searchsorted(starts, tree.bounds[1:] - 1, right=True) - 1
+    return first, last, sizes
+
+
+def _first_needed(spans, order: torch.Tensor, records: int) -> torch.Tensor:
+    """Tokens of the records that leaf ``order[i]`` brings and no leaf before it in ``order``
+    did: LongTensor (m,), in ``order``'s order."""
+    first, last, sizes = spans
+    m = first.numel()
+    rank = torch.empty(m, dtype=torch.long)
+    rank[order] = torch.arange(m)
+    span = last - first + 1
+    leaf = torch.repeat_interleave(torch.arange(m), span)
+    record = first[leaf] + torch.arange(leaf.numel()) - torch.repeat_interleave(span.cumsum(0) - span, span)
+    needed_at = torch.full((records,), m, dtype=torch.long).scatter_reduce_(0, record, rank[leaf], "amin")
+    return torch.zeros(m + 1, dtype=torch.long).index_add_(0, needed_at, sizes)[:m]
+
+
+def _all_brought(spans, taken: torch.Tensor, records: int) -> torch.Tensor:
+    """Whether all records of each leaf are brought by the leaves ``taken``: BoolTensor (m,)."""
+    first, last, _ = spans
+    brought = torch.zeros(records + 1, dtype=torch.long)
+    brought.index_add_(0, first[taken], torch.ones_like(taken))
+    brought.index_add_(0, last[taken] + 1, -torch.ones_like(taken))
+    count = torch.cat([torch.zeros(1, dtype=torch.long), (brought[:-1].cumsum(0) > 0).long().cumsum(0)])
+    return count[last + 1] - count[first] == last - first + 1
