@@ -99,10 +99,7 @@ def _fill(keys: torch.Tensor, ids: torch.Tensor, costs: torch.Tensor, budget: in
 
 def _token_set(tree: ChunkTree, leaves: torch.Tensor, context: int, config: SelectConfig
                ) -> torch.Tensor:
-    delta = torch.zeros(context + 1, dtype=torch.long)
-    delta.index_add_(0, tree.bounds[leaves], torch.ones_like(leaves))
-    delta.index_add_(0, tree.bounds[leaves + 1], -torch.ones_like(leaves))
-    mask = delta[:-1].cumsum(0) > 0
+    mask = tree.token_mask(leaves, context)
     mask[: config.sinks] = True
     mask[_window_start(context, config):] = True
     return mask.nonzero().flatten()

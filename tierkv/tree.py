@@ -109,28 +109,11 @@ class ChunkTree:
         kmin, kmax : Tensor, shape (kv_heads, head_dim). A short tail (< min tokens) absorbs the
         new tokens; the result must not exceed ``max``.
         """
-        size = end - start
-        if start != self.n or not 1 <= size <= self.config.max:
-            raise ValueError(f"append [{start}, {end}): must start at n={self.n} and hold 1 to "
-                             f"max={self.config.max} tokens")
         if kmin.shape != (self.kv_heads, self.head_dim) or kmax.shape != kmin.shape:
             raise ValueError(f"kmin {tuple(kmin.shape)} / kmax {tuple(kmax.shape)}: expected "
                              f"({self.kv_heads}, {self.head_dim})")
-        grow = self.num_leaves > 0 and int(self.sizes[-1]) < self.config.min
-        if grow and end - int(self.bounds[-2]) > self.config.max:
-            raise ValueError(f"appending up to {end} after a short tail would make a leaf over "
-                             f"max={self.config.max} tokens; only the last append may be short")
-        lo, hi = kmin.float()[None], kmax.float()[None]
-        self._records.append(RecordRef(record, start, end))
-        self._levels = None
-        if grow:
-            self._grow_tail(end, lo, hi)
-            return
-        self.bounds = torch.cat([self.bounds, self.bounds.new_tensor([end])])
-        self.kmin, self.kmax = torch.cat([self.kmin, lo]), torch.cat([self.kmax, hi])
-        self.ema = torch.cat([self.ema, self.ema.new_tensor([size / end])])
-        self.selected_count = torch.cat([self.selected_count, self.cold.new_zeros(1)])
-        self.cold = torch.cat([self.cold, self.cold.new_zeros(1)])
+        self.append_many(torch.tensor([start, end]), kmin[None], kmax[None],
+                         [RecordRef(record, start, end)])
 
     def _grow_tail(self, end, lo, hi) -> None:
         self.ema[-1] += (end - self.n) / end
@@ -158,9 +141,9 @@ class ChunkTree:
                              f"({k}, {self.kv_heads}, {self.head_dim})")
         c = self.config
         if bool((sizes > c.max).any()) or bool((sizes[:-1] < c.min).any()):
-            raise ValueError(f"leaf sizes {sizes.tolist()[:8]}...: must be {c.min} to {c.max} "
-                             "tokens (the last may be shorter)")
-        ends = [r.start for r in records[1:]] + [cuts[-1]]
+            raise ValueError(f"leaf sizes {sizes.tolist()[:8]}...: must be min={c.min} to "
+                             f"max={c.max} tokens (the last may be shorter)")
+        ends = [r.start for r in records[1:]] + [int(cuts[-1])]
         if not records or records[0].start != self.n or any(
                 r.end != e or r.end <= r.start for r, e in zip(records, ends)) or \
                 records[-1].end != int(cuts[-1]):
@@ -314,14 +297,28 @@ class ChunkTree:
         return int(torch.searchsorted(self.bounds, token, right=True)) - 1
 
     # -- payloads ---------------------------------------------------------------------
+    def record_spans(self, leaves: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The records holding each of ``leaves`` (LongTensor (k,); all when None): indices
+        ``[first, end)`` into ``records``, two LongTensors (k,)."""
+        starts = torch.tensor([r.start for r in self._records] + [self.n])
+        lo, hi = (self.bounds[:-1], self.bounds[1:]) if leaves is None else \
+            (self.bounds[leaves], self.bounds[leaves + 1])
+        return (torch.searchsorted(starts, lo, right=True) - 1,
+                torch.searchsorted(starts, hi, right=False))
+
+    def token_mask(self, leaves: torch.Tensor, length: int) -> torch.Tensor:
+        """BoolTensor (length,) (``length >= n``): True on the tokens of ``leaves``."""
+        delta = torch.zeros(length + 1, dtype=torch.long)
+        delta.index_add_(0, self.bounds[leaves], torch.ones_like(leaves))
+        delta.index_add_(0, self.bounds[leaves + 1], -torch.ones_like(leaves))
+        return delta[:-1].cumsum(0) > 0
+
     def records_for(self, leaves: torch.Tensor) -> list[RecordRef]:
         """The records holding the tokens of ``leaves`` (LongTensor (k,)), once each, by start."""
-        starts = torch.tensor([r.start for r in self._records] + [self.n])
-        first = torch.searchsorted(starts, self.bounds[leaves], right=True) - 1
-        last = torch.searchsorted(starts, self.bounds[leaves + 1], right=False)
+        first, end = self.record_spans(leaves)
         covered = torch.zeros(len(self._records) + 1, dtype=torch.long)
         covered.index_add_(0, first, torch.ones_like(first))
-        covered.index_add_(0, last, -torch.ones_like(last))
+        covered.index_add_(0, end, -torch.ones_like(end))
         return [self._records[i] for i in (covered.cumsum(0) > 0).nonzero().flatten().tolist()]
 
     def pending_rewrites(self) -> list[Rewrite]:

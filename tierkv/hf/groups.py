@@ -80,11 +80,7 @@ class GroupIndex:
                 self._all = self._fetch(self.tree.records)
             return self._all
         spec = self._fetch(self.tree.records_for(leaves))
-        bounds = self.tree.bounds
-        inside = torch.zeros(self.sealed + 1, dtype=torch.long)
-        inside.index_add_(0, bounds[leaves], torch.ones_like(leaves))
-        inside.index_add_(0, bounds[leaves + 1], -torch.ones_like(leaves))
-        wanted = inside.cumsum(0)[spec.positions] > 0
+        wanted = self.tree.token_mask(leaves, self.sealed)[spec.positions]
         if bool(wanted.all()):
             return spec
         keep = wanted.nonzero().flatten()

@@ -72,10 +72,14 @@ class OmniKV(Policy):
     def leaf_tokens(self, group):
         """With ``fetch_unit="leaf"`` a selecting group's records are sealed as leaves of
         ``ChunkConfig.min`` tokens, so the filter layers choose among them from the first step."""
-        if self.select.fetch_unit != "leaf" or group[0] < self.filters[0] or \
-                group[0] in self.filters or self._full_after(group):
+        if self.select.fetch_unit != "leaf" or not self._selects(group):
             return None
         return self.chunks.min
+
+    def _selects(self, group) -> bool:
+        """Whether ``group`` fetches the chunks its filter layer chose (not dense)."""
+        return group[0] >= self.filters[0] and group[0] not in self.filters and \
+            not self._full_after(group)
 
     def _full_after(self, group) -> bool:
         return self.select.full_after_filter and len(group) == 1 and group[0] - 1 in self.filters
@@ -95,8 +99,7 @@ class OmniKV(Policy):
 
     def is_selecting(self, cache, layer) -> bool:
         """Whether ``layer`` fetches the chunks its filter layer chose (not dense)."""
-        group = cache.groups[cache.group_of[layer]]
-        return layer >= self.filters[0] and layer not in self.filters and not self._full_after(group)
+        return self._selects(cache.groups[cache.group_of[layer]])
 
     def fetch(self, cache, layer, q):
         if self.is_selecting(cache, layer):
@@ -186,7 +189,8 @@ class OmniKV(Policy):
         take = cost.cumsum(0) <= max(budget, int(sizes[forced].sum()))
         rest = ~take
         if leaf_units:  # and the records they bring within LEAF_MOVE_FACTOR x the budget
-            spans = _record_spans(tree)
+            first, end = tree.record_spans()
+            spans = first, end - 1, torch.tensor([r.end - r.start for r in tree.records])
             moved = _first_needed(spans, order, len(tree.records)).cumsum(0)
             sinks = int(forced.sum())
             floor = int(moved[sinks - 1]) if sinks else 0
@@ -212,16 +216,6 @@ class OmniKV(Policy):
             scores = (1 - rate) * grown + rate * scores
         self._smoothed[layer] = scores
         return scores
-
-
-def _record_spans(tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For each leaf, the first and last index of the records holding its tokens, and the
-    tokens of every record: LongTensors (m,), (m,), (r,)."""
-    starts = torch.tensor([r.start for r in tree.records])
-    sizes = torch.tensor([r.end - r.start for r in tree.records])
-    first = torch.searchsorted(starts, tree.bounds[:-1], right=True) - 1
-    last = torch.searchsorted(starts, tree.bounds[1:] - 1, right=True) - 1
-    return first, last, sizes
 
 
 def _first_needed(spans, order: torch.Tensor, records: int) -> torch.Tensor:
