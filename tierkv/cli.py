@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .config import parse_size
+from .config import SelectConfig, parse_size
 from .hf.model import ModelLoadError
 from .storage.base import CorruptRecordError, StorageError
 
@@ -35,6 +35,21 @@ def size_arg(text: str) -> int:
         return parse_size(text, "size")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc).replace("size=", "", 1)) from None
+
+
+def budget_arg(text: str) -> float | int:
+    """argparse type of a token budget: a fraction in (0, 1) or a whole token count >= 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value >= 1 and value.is_integer():
+        value = int(value)
+    try:
+        SelectConfig(budget=value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: {str(exc).split(': ', 1)[-1]}") from None
+    return value
 
 
 def positive_int(text: str) -> int:

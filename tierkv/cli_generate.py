@@ -7,6 +7,7 @@ same token ids and give the same answer.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 import time
@@ -18,13 +19,14 @@ from tqdm import tqdm
 
 from .cli_args import check_new_dir, check_store_dir, read_document
 from .cli_report import TimedStreamer, kv_rows, print_table, run_rows
+from .config import FETCH_UNITS, SelectConfig
 from .textgen import document_text, question_text
 
 DEFAULT_POLICY = "tierkv"
 
 
 def add_generate_args(parser: argparse.ArgumentParser) -> None:
-    from .cli import positive_int, size_arg
+    from .cli import budget_arg, positive_int, size_arg
     from .policies import REGISTRY
 
     parser.add_argument("--model", default="smollm2-135m", help="smollm2-135m or a local model "
@@ -38,6 +40,12 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
                         help="the first words of the answer, given to the model")
     parser.add_argument("--policy", choices=sorted(REGISTRY), help="KV policy (default: "
                         f"{DEFAULT_POLICY}; with --load, the saved document's)")
+    parser.add_argument("--budget", type=budget_arg, metavar="B", help="tokens a sparse layer "
+                        "attends to: a fraction of the context in (0, 1), or a token count "
+                        f"(default: {SelectConfig().budget}; with --load, the saved document's)")
+    parser.add_argument("--fetch-unit", choices=FETCH_UNITS, help="what omnikv/tierkv fill "
+                        "the budget with: whole records, or single leaves (finer, reads more; "
+                        "default: record; with --load, the saved document's)")
     parser.add_argument("--device-budget", type=size_arg, default="64MB", metavar="SIZE",
                         help="KV bytes on the device (default: %(default)s)")
     parser.add_argument("--host-budget", type=size_arg, default="256MB", metavar="SIZE",
@@ -93,15 +101,18 @@ def _document_cache(args, model, tok, document, stack: ExitStack):
     """A TieredCache holding the document: prefilled now (and saved with --save), or reopened."""
     from .config import TierConfig
     from .hf.cache import TieredCache
+    from .hf.persist import saved_select
 
     if args.load is not None:
         t0 = time.perf_counter()
         config = TierConfig(args.device_budget, args.host_budget, disk_dir=args.load)
-        cache = TieredCache.open(model, args.load, config, args.policy)
+        select = _select(args, lambda: saved_select(args.load))
+        cache = TieredCache.open(model, args.load, config, args.policy, select=select)
         return cache, {"reopen_s": time.perf_counter() - t0, "document_tokens": cache.token_ids.shape[1]}
     disk_dir = args.disk_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="tierkv-"))
     config = TierConfig(args.device_budget, args.host_budget, disk_dir=disk_dir)
-    cache = TieredCache(model, config, args.policy or DEFAULT_POLICY)
+    cache = TieredCache(model, config, args.policy or DEFAULT_POLICY,
+                        select=_select(args, SelectConfig) or SelectConfig())
     try:
         ids = tok(document_text(tok, document), return_tensors="pt")["input_ids"]
         seconds = prefill(model, cache, ids)
@@ -112,6 +123,13 @@ def _document_cache(args, model, tok, document, stack: ExitStack):
         cache.close()
         raise
     return cache, {"prefill_s": seconds, "document_tokens": ids.shape[1]}
+
+
+def _select(args, base) -> SelectConfig | None:
+    """``base()`` with the --budget and --fetch-unit given; None when neither is."""
+    given = {k: v for k, v in (("budget", args.budget), ("fetch_unit", args.fetch_unit))
+             if v is not None}
+    return dataclasses.replace(base(), **given) if given else None
 
 
 def _answer(args, model, tok, cache) -> dict:

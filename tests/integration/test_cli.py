@@ -131,6 +131,9 @@ def test_error_in_a_subprocess(case):
      "not a known model"),
     (["generate", "--load", "absent-dir", "--question", "q"], "no such directory"),
     (["generate", "--file", "doc.txt", "--question", "q", "--save", "doc.txt"], "not an empty"),
+    (["generate", "--file", "doc.txt", "--question", "q", "--budget", "0"], "--budget: 0: must be"),
+    (["generate", "--file", "doc.txt", "--question", "q", "--budget", "2.5"], "whole number"),
+    (["generate", "--file", "doc.txt", "--question", "q", "--fetch-unit", "token"], "invalid choice"),
     (["inspect", "absent-dir"], "no such directory"),
     (["bench", "no-such-bench"], "unknown benchmark"),
 ])
@@ -142,6 +145,30 @@ def test_errors_are_one_line(case, monkeypatch, capsys, args, message):
     line = last_line(err)
     assert line.startswith("tierkv: error: ") and message in line, err
     assert "Traceback" not in err
+
+
+def test_budget_and_fetch_unit_reach_the_cache(case, monkeypatch, capsys, tmp_path):
+    """--budget and --fetch-unit set the SelectConfig a run uses and saves; with --load they
+    replace only what they name of the saved one."""
+    from tierkv.hf.cache import TieredCache
+    from tierkv.hf.persist import saved_select
+
+    work, fact = case
+    monkeypatch.chdir(work)
+    args = ["--question", fact.question, "--answer-prefix", fact.answer_prefix, *BUDGETS]
+    status, err = run_main(["generate", "--file", "doc.txt", "--budget", "0.2", "--fetch-unit",
+                            "leaf", "--save", str(tmp_path / "s"), *args], capsys)
+    assert status == 0, err
+    saved = saved_select(tmp_path / "s")
+    assert (saved.budget, saved.fetch_unit) == (0.2, "leaf")
+    opened = []
+    real_open = TieredCache.open.__func__
+    monkeypatch.setattr(TieredCache, "open", classmethod(
+        lambda cls, *a, **kw: opened.append(kw["select"]) or real_open(cls, *a, **kw)))
+    status, err = run_main(["generate", "--load", str(tmp_path / "s"), "--budget", "0.15", *args],
+                           capsys)
+    assert status == 0, err
+    assert opened == [saved.__class__(budget=0.15, fetch_unit="leaf")]
 
 
 def test_debug_raises(case, monkeypatch):

@@ -124,6 +124,11 @@ def open_cache(cls, model, path, config: TierConfig | None = None, policy: str |
     return cache
 
 
+def saved_select(path, doc: str | None = None) -> SelectConfig:
+    """The SelectConfig a document was saved with (what ``open_cache`` uses by default)."""
+    return _config(SelectConfig, read_meta(path, doc)[1]["select"])
+
+
 def _config(kind, values: dict):
     if "filter_layers" in values and values["filter_layers"] is not None:
         values = {**values, "filter_layers": tuple(values["filter_layers"])}
