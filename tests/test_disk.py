@@ -262,3 +262,80 @@ def test_removed_records_reclaimed(tmp_path, make_block, blocks_equal):
     with DiskTier(tmp_path) as tier:
         assert sorted(tier.keys()) == keys[15:]
         assert all(blocks_equal(tier.get(k), make_block(k)) for k in keys[15:])
+
+
+def _snapshot(path):
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
+
+
+def test_a_newer_format_is_refused_and_left_as_it_is(tmp_path, make_block, monkeypatch):
+    """Records or a manifest a newer tierkv wrote: opening refuses with NewerFormatError and
+    changes nothing (no tail cut, no manifest set aside), while a damaged version field (its
+    record's crc fails) is only damage: skipped, kept aside."""
+    import tierkv.storage.manifest as manifest
+    import tierkv.storage.segment as segment
+    from tierkv.storage.base import NewerFormatError
+
+    newer = tmp_path / "newer"
+    monkeypatch.setattr(segment, "VERSION", segment.VERSION + 1)
+    with DiskTier(newer, codec=CodecConfig("raw")) as tier:
+        tier.put(_key(), make_block(_key()))
+    monkeypatch.undo()
+    before = _snapshot(newer)
+    with pytest.raises(NewerFormatError, match="record format version 2: this tierkv reads"):
+        DiskTier(newer)
+    assert _snapshot(newer) == before
+
+    with DiskTier(tmp_path / "m") as tier:
+        tier.put(_key(), make_block(_key()))
+    monkeypatch.setattr(manifest, "VERSION", "2")
+    with DiskTier(tmp_path / "m") as tier:
+        tier.put(_key("b"), make_block(_key("b")))
+    monkeypatch.undo()
+    before = _snapshot(tmp_path / "m")
+    with pytest.raises(NewerFormatError, match="manifest version 2"):
+        DiskTier(tmp_path / "m")
+    assert _snapshot(tmp_path / "m") == before
+
+    damaged = tmp_path / "damaged"
+    with DiskTier(damaged, codec=CodecConfig("raw")) as tier:
+        tier.put(_key(), make_block(_key()))
+    os.unlink(damaged / MANIFEST)
+    seg = damaged / "seg-000001.tkv"
+    data = bytearray(seg.read_bytes())
+    data[4] += 1  # the version field, little-endian u16 after the magic
+    seg.write_bytes(bytes(data))
+    with DiskTier(damaged) as tier:
+        assert len(tier) == 0 and tier.open_report["kept"] == {"seg-000001.tkv": "seg-000001.tkv.cut-1"}
+    assert (damaged / "seg-000001.tkv.cut-1").read_bytes() == bytes(data)
+
+
+def test_a_cut_tail_is_kept_unless_it_is_a_torn_append(tmp_path, make_block, blocks_equal):
+    """Reopening cuts a segment back to its last valid record. A complete last record whose
+    payload fails its crc (with no manifest vouching for it) is copied to seg-*.cut-N first;
+    an append cut short by a crash is just dropped."""
+    a, b = _key("a"), _key("b")
+    with DiskTier(tmp_path, codec=CodecConfig("raw")) as tier:
+        tier.put(a, make_block(a))
+        tier.put(b, make_block(b))
+    os.unlink(tmp_path / MANIFEST)
+    seg = tmp_path / "seg-000001.tkv"
+    data = bytearray(seg.read_bytes())
+    data[-7] ^= 0x01  # inside b's payload
+    seg.write_bytes(bytes(data))
+    with DiskTier(tmp_path) as tier:
+        assert tier.keys() == [a] and blocks_equal(tier.get(a), make_block(a))
+        kept = tmp_path / tier.open_report["kept"]["seg-000001.tkv"]
+        tier.put(b, make_block(b))
+    assert kept.read_bytes() == bytes(data[len(data) - len(kept.read_bytes()):])
+    assert len(kept.read_bytes()) > HEADER.size
+
+    torn = tmp_path / "torn"
+    with DiskTier(torn, codec=CodecConfig("raw")) as tier:
+        tier.put(a, make_block(a))
+        tier.put(b, make_block(b))
+    seg = torn / "seg-000001.tkv"
+    os.truncate(seg, seg.stat().st_size - 100)
+    with DiskTier(torn) as tier:
+        assert tier.keys() == [a] and tier.open_report["truncated"] and not tier.open_report["kept"]
+    assert not list(torn.glob("*.cut-*"))

@@ -169,3 +169,50 @@ def test_ranking_cold_share_counts_ties_as_hot():
     assert [ranks.is_cold(k, 0.5) for k in keys] == [False, False, False, True]
     assert ranks.coldest(set(keys), exclude=keys[3]) == keys[2]
     assert ranks.coldest(set(), exclude=keys[3]) is None
+
+
+def test_inputs_of_the_wrong_kind_are_named(tmp_path, make_block):
+    from tierkv.storage import KVBlock, StorageError
+
+    block = make_block(_key(0))
+    with _store(tmp_path) as store:
+        for bad, message in [((block.keys, block.values), "expected a KVBlock"),
+                             (None, "expected a KVBlock"),
+                             (KVBlock(block.keys[:0], block.values[:0]), "at least 1"),
+                             (KVBlock(block.keys.to_sparse(), block.values.to_sparse()), "dense"),
+                             (KVBlock(block.keys.to("meta"), block.values.to("meta")), "meta")]:
+            with pytest.raises(ValueError, match=message):
+                store.put(_key(0), bad)
+        assert len(store.host) == 0 and not store.disk.keys()  # nothing half-stored
+        store.put(_key(0), block)
+        with pytest.raises(ValueError, match="is one key; pass a list"):
+            store.fetch(_key(0), "cpu")
+        with pytest.raises(ValueError, match="not a RecordKey"):
+            store.fetch(["doc/0/0-16"], "cpu")
+        with pytest.raises(ValueError, match="'gpu' is not a device"):
+            store.fetch([_key(0)], "gpu")
+        if not torch.cuda.is_available():
+            with pytest.raises(ValueError, match="CUDA is not available"):
+                store.fetch([_key(0)], "cuda")
+    for call in (lambda: store.where(_key(0)), store.stats, lambda: store.remove(_key(0))):
+        with pytest.raises(StorageError, match="closed"):
+            call()
+
+
+def test_non_finite_blocks_never_block_a_spill(tmp_path, make_block, blocks_equal):
+    """A block holding NaN goes to the host tier; when it must spill while the codec chosen for
+    disk is lossy, it is written losslessly, and a lossy codec named at put refuses it then."""
+    nan = make_block(_key(0))
+    nan.keys[0, 0, 0, 0] = float("nan")
+    lossy = CodecConfig("auto", allow_lossy=True)
+    with _store(tmp_path, host=BLOCK, codec=lossy) as store:
+        with pytest.raises(ValueError, match="NaN or inf.*int8"):
+            store.put(_key(0), nan, codec="int8")
+        store.controller = type("Lossy", (), {"choose_for": lambda self, b, cold: "int8"})()
+        store.put(_key(0), nan, importance=0.0)
+        store.put(_key(1), make_block(_key(1)), importance=5.0)  # spills the NaN block
+        assert store.where(_key(0)) == "disk" and store.disk.codec_of(_key(0)) == "zstd"
+        back = store.get(_key(0))
+        assert torch.isnan(back.keys[0, 0, 0, 0]) and torch.equal(back.values, nan.values)
+        store.put(_key(2), make_block(_key(2)), importance=9.0)  # a finite one: int8
+        assert store.disk.codec_of(_key(1)) == "int8"

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import block_for
+from tierkv.config import CodecConfig, SelectConfig, parse_size
 from tierkv.storage import DeviceTier, HostTier, KVBlock, RecordKey, TierFullError, host
 
 
@@ -83,6 +84,19 @@ def test_full_put_changes_nothing(make_block):
 def test_bad_budget_is_named():
     with pytest.raises(ValueError, match="budget"):
         HostTier("lots")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: parse_size("0.1", "host_budget"), "host_budget='0.1': a byte count must be a whole"),
+    (lambda: parse_size(1.7, "host_budget"), "whole number"),
+    (lambda: CodecConfig(allow_lossy="no"), "allow_lossy='no': expected True or False"),
+    (lambda: SelectConfig(full_after_filter="no"), "full_after_filter='no'"),
+    (lambda: SelectConfig(filter_layers=5), "filter_layers=5: expected a sequence"),
+])
+def test_config_values_of_the_wrong_kind(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+    assert parse_size("0.5GB") == 500_000_000 and parse_size(2.0) == 2
 
 
 @pytest.mark.cuda

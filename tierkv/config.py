@@ -40,6 +40,9 @@ def parse_size(value: int | float | str, field_name: str = "size") -> int:
     size = number * _UNITS[unit]
     if size < 0 or size != size or size > 2**62:
         raise ValueError(f"{field_name}={value!r}: must be between 0 and 2**62 bytes")
+    if not unit and not number.is_integer():
+        raise ValueError(f"{field_name}={value!r}: a byte count must be a whole number "
+                         "(or give a unit, e.g. '0.5GB')")
     return int(size)
 
 
@@ -75,6 +78,8 @@ class CodecConfig:
         allowed = ("auto",) + CODECS
         if self.codec not in allowed:
             raise ValueError(f"codec={self.codec!r}: must be one of {', '.join(allowed)}")
+        if not isinstance(self.allow_lossy, bool):
+            raise ValueError(f"allow_lossy={self.allow_lossy!r}: expected True or False")
         if self.codec in LOSSY_CODECS and not self.allow_lossy:
             raise ValueError(f"codec={self.codec!r} is lossy: set allow_lossy=True to use it")
         _check_range("zstd_level", self.zstd_level, 1, 22)
@@ -230,6 +235,11 @@ class SelectConfig:
         _check_range("selector_window", self.selector_window, 1, 4096)
         if self.selector not in SELECTORS:
             raise ValueError(f"selector={self.selector!r}: must be one of {', '.join(SELECTORS)}")
+        if not isinstance(self.full_after_filter, bool):
+            raise ValueError(f"full_after_filter={self.full_after_filter!r}: expected True or False")
+        if self.filter_layers is not None and not isinstance(self.filter_layers, (tuple, list)):
+            raise ValueError(f"filter_layers={self.filter_layers!r}: expected a sequence of "
+                             "layer indices, e.g. (2, 8, 16)")
         if self.fetch_unit not in FETCH_UNITS:
             raise ValueError(f"fetch_unit={self.fetch_unit!r}: must be one of {', '.join(FETCH_UNITS)}")
         if self.filter_layers is not None:

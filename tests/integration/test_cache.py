@@ -265,3 +265,131 @@ def test_split_leaves_attend_exactly_their_tokens(model_and_tok, passkey_cases, 
     assert min(int(s.min()) for s in leaves) < 8, "no leaf split below its record"
     assert trimmed and all(kept < tokens for tokens, kept in trimmed)
     assert len(checked) >= 15 * 30
+
+
+@pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "razor", "quest", "leoam",
+                                    "omnikv", "tierkv"])
+def test_policies_keep_device_and_host_tensors_apart(model_and_tok, passkey_cases, monkeypatch,
+                                                      policy):
+    """On a GPU, q, k, v and attention's results are CUDA tensors while positions, trees and
+    scores are CPU ones, and an operation mixing them raises. Here the tensors a policy gets
+    from attention are marked as device tensors (``tests/devicesim.py``), so such a mix raises
+    on the CPU too: through prefill, 12 decode steps (tree adaptation, leaf splits, filter-layer
+    preselection on a device budget below four filter layers' KV) and a second turn."""
+    from devicesim import OnDevice, to_device, to_host
+
+    model, _ = model_and_tok
+    ids = torch.cat([passkey_cases[0][0], passkey_cases[1][0]], dim=1)  # ~2K tokens
+    for module in ("base", "streaming", "h2o", "razor"):  # the way up: mark, do not move
+        monkeypatch.setattr(f"tierkv.policies.{module}.on_device", lambda t, like: to_device(t))
+    calls = []
+    with TieredCache(model, TierConfig(device_budget="10MB", host_budget="1GB"), policy,
+                     select=SelectConfig(budget=0.1)) as cache:
+        p = cache.policy
+        attend, fetch, observe = p.attend, p.fetch, p.observe_prefill
+
+        def on_attend(c, layer, q, k, v, positions, scaling):
+            assert not isinstance(positions, OnDevice)
+            calls.append("attend")
+            return to_host(attend(c, layer, to_device(q), to_device(k), to_device(v), positions,
+                                  scaling))
+
+        def on_fetch(c, layer, q):
+            wanted = fetch(c, layer, to_device(q))
+            assert not isinstance(getattr(wanted, "positions", wanted), OnDevice), layer
+            calls.append("fetch")
+            return wanted
+
+        def on_observe(c, layer, mass):
+            calls.append("observe")
+            return observe(c, layer, to_device(mass))
+
+        p.attend, p.fetch, p.observe_prefill = on_attend, on_fetch, on_observe
+        with torch.no_grad():
+            out = model.generate(ids, min_new_tokens=12, max_new_tokens=12, do_sample=False,
+                                 past_key_values=cache)
+            more = torch.cat([out, out[:, -4:]], dim=1)
+            model.generate(more, min_new_tokens=2, max_new_tokens=2, do_sample=False,
+                           past_key_values=cache)
+        if policy == "tierkv":  # the paths that cross most: preselection and leaf splits
+            filters = [cache.group_of[f] for f in p.filters]
+            assert any(p.preselects(cache, cache.groups[g][0]) for g in filters)
+            assert min(int(index.tree.sizes.min()) for index in cache.indexes) < 8
+    assert calls.count("attend") == 12 * 30  # 11 steps, then 1 after the second turn's prefill
+    assert policy != "h2o" or "observe" in calls
+
+
+def test_device_tier_follows_the_model(model_and_tok, monkeypatch):
+    """``device="auto"`` puts the device tier where the model computes; a device tier elsewhere
+    (attention would mix devices) and a model on a device TieredCache does not run on are
+    refused before anything is stored."""
+    model, _ = model_and_tok
+    with TieredCache(model, TierConfig(device_budget="8MB", host_budget="8MB")) as cache:
+        assert cache.device == torch.device("cpu")  # auto, with CUDA or not: the model is on the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(ValueError, match=r"the model is on cpu; the device tier must be"):
+        TieredCache(model, TierConfig(device_budget="8MB", host_budget="8MB", device="cuda"))
+    monkeypatch.undo()
+    param = next(model.parameters())
+    monkeypatch.setattr(type(model), "parameters",
+                        lambda self, recurse=True: iter([param.to("meta")]))
+    with pytest.raises(ValueError, match="the model is on meta"):
+        TieredCache(model, TierConfig(device_budget="8MB", host_budget="8MB"))
+
+
+def test_a_new_cache_never_writes_over_a_saved_document(model_and_tok, tmp_path):
+    """A saved directory used as a new cache's disk tier: a new document gets an id the
+    directory does not hold (another process's counter starts at doc0 too), and naming the
+    saved one is refused; the saved document still reopens whole."""
+    model, tok = model_and_tok
+    ids = tok("A short text. " * 40, return_tensors="pt")["input_ids"]
+    other = tok("Another text entirely. " * 30, return_tensors="pt")["input_ids"]
+    small = dict(device_budget="8MB", host_budget="64MB")
+    with TieredCache(model, TierConfig(**small), "full", doc="doc0") as cache, torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        cache.save(tmp_path / "saved")
+    config = TierConfig(**small, disk_dir=tmp_path / "saved")
+    with pytest.raises(ValueError, match="already holds document 'doc0'.*TieredCache.open"):
+        TieredCache(model, config, "full", doc="doc0")
+    with TieredCache(model, config, "full") as cache, torch.no_grad():
+        assert cache.doc != "doc0"
+        model(other, past_key_values=cache, use_cache=True)
+        cache.store.disk.flush()
+    with TieredCache.open(model, tmp_path / "saved", doc="doc0") as reopened:
+        assert torch.equal(reopened.token_ids, ids)
+        assert reopened.get_seq_length() == ids.shape[1]
+        with torch.no_grad():
+            logits = model(ids[:, -1:], past_key_values=reopened, use_cache=True).logits
+    with torch.no_grad():
+        plain = model(torch.cat([ids, ids[:, -1:]], dim=1)).logits
+    assert torch.allclose(logits[0, -1], plain[0, -1], atol=LOGIT_ATOL)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"config": {"device_budget": "8MB"}}, "config=dict: expected a TierConfig"),
+    ({"select": {"budget": 0.1}}, "select=dict: expected a SelectConfig"),
+    ({"chunks": {"min": 2}}, "chunks=dict: expected a ChunkConfig"),
+    ({"prefill_block": True}, "prefill_block=True"),
+    ({"doc": "../x"}, "doc"),
+    ({"doc": 5}, "doc"),
+])
+def test_cache_arguments_of_the_wrong_kind(model_and_tok, kwargs, message):
+    model, _ = model_and_tok
+    with pytest.raises(ValueError, match=message):
+        TieredCache(model, **kwargs)
+    with pytest.raises(ValueError, match="expected a loaded transformers model"):
+        TieredCache("smollm2-135m")
+
+
+def test_a_device_budget_too_small_says_what_it_must_hold(model_and_tok):
+    from tierkv.storage import TierFullError
+
+    model, tok = model_and_tok
+    ids = tok("A short text. " * 60, return_tensors="pt")["input_ids"]
+    with TieredCache(model, TierConfig(device_budget="100KB", host_budget="64MB")) as cache:
+        with pytest.raises(TierFullError, match=r"needs \d+ B, 100000 B free of 100000: .*whole "
+                                                r"during prefill \(1536 B a token and layer\); "
+                                                r"raise the device budget"):
+            with torch.no_grad():
+                model(ids, past_key_values=cache, use_cache=True)

@@ -14,6 +14,7 @@ last layer of a group has done so, the group's chunks are sealed into the store 
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +27,7 @@ from ..config import ChunkConfig, SelectConfig, TierConfig
 from ..pipeline import CompressionController, FetchPlan, Metrics, Pipeline
 from ..policies import Policy, make_policy
 from ..shapes import KVShape
-from ..storage.base import KVBlock
+from ..storage.base import KVBlock, RecordKey, TierFullError
 from ..storage.probe import read_bandwidth
 from ..storage.store import KVStore
 from .groups import Fetch, GroupIndex
@@ -72,7 +73,9 @@ class TieredCache(Cache):
     config : TierConfig -- budgets and places of the tiers.
     policy : name of a policy (``tierkv`` by default; see ``tierkv.policies.REGISTRY``).
     select, chunks : SelectConfig and ChunkConfig (defaults when omitted).
-    doc : the document id under which records are stored.
+    doc : the document id under which records are stored; by default the first ``docN`` the
+        disk directory does not hold. A document the directory already holds is refused (reopen
+        it with ``TieredCache.open``): new records would replace its own.
     profile : the model's calibration profile (filter layers, retrieval heads); by default the
         profile shipped for the model, when there is one.
     prefill_block : query block size of the layer-wise prefill.
@@ -80,15 +83,14 @@ class TieredCache(Cache):
 
     def __init__(self, model, config: TierConfig | None = None, policy: str = "tierkv", *,
                  select: SelectConfig | None = None, chunks: ChunkConfig | None = None,
-                 doc: str | None = None, profile: dict | None = None, prefill_block: int = 512):
-        config = config or TierConfig()
+                 doc: str | None = None, profile: dict | None = None, prefill_block: int = 512,
+                 _resume: bool = False):
+        _check_args(model, config, select, chunks, prefill_block, doc)
+        config = _on_model_device(config or TierConfig(), model)
         self.shape = KVShape.from_config(model.config, dtype=model.dtype)
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.shape.layers)])
-        if not isinstance(prefill_block, int) or prefill_block < 1:
-            raise ValueError(f"prefill_block={prefill_block!r}: must be a positive integer")
         self.config, self.prefill_block = config, prefill_block
         self.select, self.chunks = select or SelectConfig(), chunks or ChunkConfig()
-        self.doc = doc or f"doc{next(_ids)}"
         self.profile = profile if profile is not None else load_profile(model)
         self.policy: Policy = make_policy(policy, self.shape.layers, self.select, self.chunks, self.profile)
         self.groups = self.policy.groups()
@@ -96,11 +98,17 @@ class TieredCache(Cache):
         self.slot_of = {layer: i for group in self.groups for i, layer in enumerate(group)}
         self.record_tokens = [self.policy.record_tokens(group) for group in self.groups]
         self.leaf_tokens = [self.policy.leaf_tokens(group) for group in self.groups]
-        self.indexes = [GroupIndex(self.doc, g, self.shape.kv_heads, self.shape.head_dim, self.chunks)
-                        for g in range(len(self.groups))]
         auto = config.codec.codec == "auto" and config.disk_dir is not None
         controller = CompressionController.from_config(config.codec) if auto else None
         self.store = KVStore(self.shape, config, controller)
+        held = set() if self.store.disk is None else set(self.store.disk.docs())
+        if doc is not None and doc in held and not _resume:
+            self.store.close()
+            raise ValueError(f"{config.disk_dir} already holds document {doc!r}: reopen it with "
+                             f"TieredCache.open(model, dir, doc={doc!r}), or pass another doc=")
+        self.doc = doc or next(d for d in (f"doc{i}" for i in _ids) if d not in held)
+        self.indexes = [GroupIndex(self.doc, g, self.shape.kv_heads, self.shape.head_dim, self.chunks)
+                        for g in range(len(self.groups))]
         if controller is not None:  # prefill writes come before any read measures the disk
             controller.assume_disk(read_bandwidth(self.store.disk.path))
         self.device = self.store.device.device
@@ -165,8 +173,27 @@ class TieredCache(Cache):
 
     # -- decode -------------------------------------------------------------------------
     def reserve(self, tag: str, nbytes: int) -> None:
-        """Account ``nbytes`` of device memory under ``tag``, evicting cached chunks if needed."""
-        self.pipeline.cache.reserve(tag, nbytes)
+        """Account ``nbytes`` of device memory under ``tag``, evicting cached chunks if needed.
+
+        TierFullError says what the device tier must hold for ``tag`` when it does not fit."""
+        try:
+            self.pipeline.cache.reserve(tag, nbytes)
+        except TierFullError as exc:
+            raise TierFullError(f"{exc}: {self._needs(tag)}; raise the device budget "
+                                "(TierConfig.device_budget, --device-budget)") from None
+
+    def _needs(self, tag: str) -> str:
+        """What the device tier holds under ``tag`` (a reservation's name), in words."""
+        kind = tag.split(":")[0]
+        per_token = self.shape.token_bytes(1)
+        if kind == "prefill":
+            return (f"a prompt is prefilled one layer at a time, and the layer attending holds the "
+                    f"keys and values of the whole sequence on the device ({per_token} B a token)")
+        if kind == "window":
+            return (f"every layer keeps its recent tokens on the device until they are sealed, "
+                    f"a new prompt's whole during prefill ({per_token} B a token and layer)")
+        return ("a decode step brings each layer group's chosen chunks to the device beside the "
+                "recent windows (a smaller SelectConfig.budget brings fewer)")
 
     def _decode(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         if layer == 0:
@@ -385,3 +412,42 @@ class TieredCache(Cache):
         return {"tokens": self.get_seq_length(), "policy": self.policy.name,
                 "device_peak_bytes": self.store.device.peak, **self.store.stats(),
                 **{f"pipeline_{k}": v for k, v in self.metrics.summary().items()}}
+
+
+def _on_model_device(config: TierConfig, model) -> TierConfig:
+    """``config`` with its device tier where ``model`` computes: ``device="auto"`` becomes the
+    model's device (attention runs there, so its KV must be there too); another device than the
+    model's is refused."""
+    param = next(model.parameters(), None)
+    if param is None:
+        return config
+    here = param.device
+    if here.type not in ("cpu", "cuda"):
+        raise ValueError(f"the model is on {here}: TieredCache runs models on 'cpu' or 'cuda'")
+    if config.device == "auto":
+        return dataclasses.replace(config, device=str(here))
+    wanted = config.torch_device
+    if wanted.type == "cuda" and wanted.index is None:
+        wanted = torch.device("cuda", torch.cuda.current_device())
+    if here.type == "cuda" and here.index is None:
+        here = torch.device("cuda", torch.cuda.current_device())
+    if wanted != here:
+        raise ValueError(f"TierConfig(device={config.device!r}): the model is on {here}; the "
+                         f"device tier must be where the model computes (device='auto' follows it)")
+    return config
+
+
+def _check_args(model, config, select, chunks, prefill_block, doc) -> None:
+    """Clear errors for arguments of the wrong kind, before anything is built."""
+    if not hasattr(model, "config") or not callable(getattr(model, "parameters", None)):
+        raise ValueError(f"model={type(model).__name__}: expected a loaded transformers model "
+                         "(e.g. from tierkv.load_model)")
+    for name, value, kind in (("config", config, TierConfig), ("select", select, SelectConfig),
+                              ("chunks", chunks, ChunkConfig)):
+        if value is not None and not isinstance(value, kind):
+            raise ValueError(f"{name}={type(value).__name__}: expected a {kind.__name__} (or None)")
+    if isinstance(prefill_block, bool) or not isinstance(prefill_block, int) or prefill_block < 1:
+        raise ValueError(f"prefill_block={prefill_block!r}: must be a positive integer")
+    if doc is not None:
+        RecordKey(doc, 0, 0, 1)  # a ValueError naming it when records could not carry it
+

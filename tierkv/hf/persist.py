@@ -111,7 +111,7 @@ def open_cache(cls, model, path, config: TierConfig | None = None, policy: str |
         config = dataclasses.replace(config, disk_dir=Path(path))
     select = select or _config(SelectConfig, meta["select"])
     cache = cls(model, config, policy or meta["policy"], select=select,
-                chunks=_config(ChunkConfig, meta["chunks"]), doc=doc)
+                chunks=_config(ChunkConfig, meta["chunks"]), doc=doc, _resume=True)
     try:
         _restore(cache, meta, arrays)
     except KeyError as exc:

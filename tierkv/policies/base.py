@@ -9,6 +9,12 @@ A policy is a small class with named hooks, found by name in ``REGISTRY``. The c
   was fetched plus the recent window (default: plain attention over all of it);
 - ``observe_prefill(cache, layer, mass)``: the attention mass each key got during prefill,
   for policies that set ``wants_prefill_mass``.
+
+Devices: ``q``, ``k``, ``v`` (and attention's outputs) are on the cache's device; ``positions``
+and everything a policy keeps between steps (chunk trees, summaries, scores, accumulators) are on
+the CPU. What crosses goes explicitly: queries, masses and keys to the CPU for the selection
+(``.cpu()``: a query is a few KB, a mass one float per token), masks and biases to the device
+for attention (``on_device``).
 """
 from __future__ import annotations
 
@@ -36,12 +42,20 @@ def make_policy(name: str, layers: int, select: SelectConfig, chunks: ChunkConfi
 
 
 def keys_lookup(k: torch.Tensor, positions: torch.Tensor):
-    """``(start, end) -> keys of tokens [start, end)`` from ``k`` (kv_heads, n, head_dim) whose
-    token positions are ``positions`` (n,), or None when some of them were not fetched."""
+    """``(start, end) -> keys of tokens [start, end)`` on the CPU, from ``k`` (kv_heads, n,
+    head_dim) whose token positions are ``positions`` (n,, CPU), or None when some of them
+    were not fetched."""
     def keys_of(start: int, end: int):
         mask = (positions >= start) & (positions < end)
-        return k[:, mask] if int(mask.sum()) == end - start else None
+        if int(mask.sum()) != end - start:
+            return None
+        return k[:, on_device(mask, k)].cpu()
     return keys_of
+
+
+def on_device(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` on ``like``'s device (itself when it is there already)."""
+    return t.to(like.device, non_blocking=True)
 
 
 class Policy:

@@ -6,7 +6,7 @@ storage, the policy just never attends to them again.
 import torch
 
 from ..attention import scored_decode_attention
-from .base import Policy, register
+from .base import Policy, on_device, register
 
 
 @register
@@ -24,16 +24,16 @@ class H2O(Policy):
 
     def observe_prefill(self, cache, layer, mass):
         acc = self._grow(cache, self._acc.get(layer), mass.shape[1])
-        self._acc[layer] = acc + mass
+        self._acc[layer] = acc + mass.float().cpu()
         self._evict(cache, layer)
 
     def attend(self, cache, layer, q, k, v, positions, scaling):
         n = cache.layer_length(layer)
         acc = self._acc[layer] = self._grow(cache, self._acc.get(layer), n)
         evicted = self._evicted[layer] = self._grow(cache, self._evicted.get(layer), n, torch.bool)
-        allowed = ~evicted[:, positions]
+        allowed = on_device(~evicted[:, positions], q)
         out, probs = scored_decode_attention(q, k, v, scaling, allowed.unsqueeze(1).unsqueeze(2))
-        acc[:, positions] += probs.sum(1)
+        acc[:, positions] += probs.sum(1).cpu()
         self._evict(cache, layer)
         return out
 

@@ -48,7 +48,7 @@ class LeoAM(Quest):
         out, probs = scored_decode_attention(q, k, v, scaling)
         index = cache.index_of(layer)
         scores = self._unfetched_estimate(index, q[:, 0], k, leaves, scaling, cache.layer_length(layer))
-        scores[positions] = probs.sum(dim=(0, 1))
+        scores[positions] = probs.sum(dim=(0, 1)).cpu()
         index.adapt(scores, leaves, self.select.sinks, _no_keys, self.max_leaf(cache))
         return out
 
@@ -60,8 +60,8 @@ class LeoAM(Quest):
         tree = index.tree
         kv_heads = k.shape[0]
         logits = (q.float().view(kv_heads, -1, q.shape[-1]) @ k.float().transpose(1, 2)) * scaling
-        log_z = torch.logsumexp(logits, dim=-1)  # (kv, g)
-        bound = bound_scores(q, tree.kmin, tree.kmax) * scaling  # (m, kv, g)
+        log_z = torch.logsumexp(logits, dim=-1).cpu()  # (kv, g)
+        bound = bound_scores(q.cpu(), tree.kmin, tree.kmax) * scaling  # (m, kv, g)
         per_token = torch.exp((bound - log_z).clamp(max=0)).sum(dim=(1, 2))  # (m,)
         scores = torch.zeros(n)
         sizes = tree.sizes

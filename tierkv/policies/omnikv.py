@@ -142,7 +142,7 @@ class OmniKV(Policy):
             return
         index = cache.indexes[target]
         scores = torch.zeros(cache.layer_length(layer))
-        scores[positions] = token_mass
+        scores[positions] = token_mass.cpu()
         scores = self._smooth(layer, scores)
         leaves = self._fill(index, scores, self.budget(cache, target))
         cache.set_selection(target, index.fetch(leaves))

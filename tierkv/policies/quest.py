@@ -35,4 +35,4 @@ class Quest(Policy):
         if layer < self.dense_layers:
             return None
         index = cache.index_of(layer)
-        return index.top_chunks(index.share_scores(q[:, 0]), self.budget(cache), self.select.sinks)
+        return index.top_chunks(index.share_scores(q[:, 0].cpu()), self.budget(cache), self.select.sinks)

@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..attention import scored_decode_attention
-from .base import Policy, register
+from .base import Policy, on_device, register
 
 
 @register
@@ -31,16 +31,17 @@ class Razor(Policy):
         full = torch.zeros(kv_heads, dtype=torch.bool)
         full[self.retrieval.get(layer, [])] = True
         kept = (positions < self.select.sinks) | (positions >= n - self.select.window)
-        dropped = (~kept).float()
-        count = dropped.sum()
+        count = int((~kept).sum())
         if count == 0 or bool(full.all()):
             return super().attend(cache, layer, q, k, v, positions, scaling)
+        dropped = on_device((~kept).float(), k)
         comp_k = (dropped @ k.float()) / count  # (kv, d): mean over dropped tokens per head
         comp_v = (dropped @ v.float()) / count
         k2 = torch.cat([k, comp_k.to(k.dtype).unsqueeze(1)], dim=1)
         v2 = torch.cat([v, comp_v.to(v.dtype).unsqueeze(1)], dim=1)
         allowed = torch.cat([kept.expand(kv_heads, -1) | full[:, None], (~full)[:, None]], dim=1)
         bias = torch.zeros(kv_heads, k2.shape[1])
-        bias[:, -1] = math.log(float(count))
-        out, _ = scored_decode_attention(q, k2, v2, scaling, allowed[:, None, None], bias[:, None, None])
+        bias[:, -1] = math.log(count)
+        out, _ = scored_decode_attention(q, k2, v2, scaling, on_device(allowed[:, None, None], q),
+                                         on_device(bias[:, None, None], q))
         return out

@@ -2,7 +2,7 @@
 import torch
 
 from ..attention import scored_decode_attention
-from .base import Policy, register
+from .base import Policy, on_device, register
 
 
 @register
@@ -27,4 +27,4 @@ class Streaming(Policy):
         n = cache.layer_length(layer)
         recent = max(self.select.window, self.select.tokens(n) - self.select.sinks)
         allowed = (positions < self.select.sinks) | (positions >= n - recent)
-        return scored_decode_attention(q, k, v, scaling, allowed.view(1, 1, 1, -1))[0]
+        return scored_decode_attention(q, k, v, scaling, on_device(allowed.view(1, 1, 1, -1), q))[0]

@@ -25,4 +25,4 @@ class TierKV(OmniKV):
             return None
         index = cache.index_of(layer)
         budget = PRESELECT_FACTOR * self.budget(cache)
-        return index.top_chunks(index.bound_scores(q[:, 0]), budget, self.select.sinks)
+        return index.top_chunks(index.bound_scores(q[:, 0].cpu()), budget, self.select.sinks)

@@ -29,6 +29,11 @@ class CorruptRecordError(StorageError):
     """A stored record failed its checks (magic, version, lengths, crc32, codec)."""
 
 
+class NewerFormatError(StorageError):
+    """A record or manifest written by a newer tierkv: this build will not read, repair or
+    rewrite it (so the directory stays as the newer build left it)."""
+
+
 @dataclass(frozen=True, order=True)
 class RecordKey:
     """One record: the K and V of layer group ``group`` of document ``doc``, tokens [start, end)."""
@@ -83,6 +88,14 @@ class KVBlock(NamedTuple):
             raise ValueError("KVBlock keys and values differ in dtype or device")
         if k.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"KVBlock dtype {k.dtype}: must be float16, bfloat16 or float32")
+        if k.layout != torch.strided or v.layout != torch.strided:
+            raise ValueError(f"KVBlock keys and values must be dense tensors, not {k.layout}")
+        if k.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"KVBlock on {k.device}: keys and values must hold data on the CPU "
+                             "or a CUDA device")
+        if min(k.shape[0], k.shape[1], k.shape[3]) < 1:
+            raise ValueError(f"KVBlock keys {tuple(k.shape)}: layers, kv_heads and head_dim "
+                             "must be at least 1")
         if key is not None and k.shape[2] != key.tokens:
             raise ValueError(f"KVBlock holds {k.shape[2]} tokens but {key} spans {key.tokens}")
         return self

@@ -22,3 +22,28 @@ class DeviceTier(MemoryTier):
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={device}: CUDA is not available on this machine")
         super().__init__(budget, device)
+        self._ready: dict = {}  # CUDA: key -> event after the copy that stored the block
+
+    def _store(self, key, block):
+        nbytes = super()._store(key, block)
+        if self.device.type == "cuda":
+            # The copy is only enqueued on the current (often a side) stream; a reader on
+            # another stream must wait for it (``_load``).
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._ready[key] = event
+        return nbytes
+
+    def _load(self, key):
+        event = self._ready.get(key)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        return super()._load(key)
+
+    def _drop(self, key):
+        self._ready.pop(key, None)
+        super()._drop(key)
+
+    def _close(self):
+        self._ready.clear()
+        super()._close()

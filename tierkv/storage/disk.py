@@ -84,7 +84,7 @@ class DiskTier(Tier):
             self._sync_accounting()
         files = self._files
         return {"records": len(self._sizes), "segments": len(files.index.segments),
-                "dropped": list(files.problems), "truncated": dict(files.truncated),
+                "dropped": list(files.problems), "truncated": dict(files.truncated), "kept": dict(files.kept),
                 "foreign": dict(files.foreign), "refused": dict(files.refused),
                 "manifest": manifest,
                 "checked": "headers (the manifest agrees)" if files.unverified else "every record"}

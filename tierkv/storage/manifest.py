@@ -7,6 +7,7 @@ tensor bytes, and is replaced atomically: temp file, fsync, rename, fsync of the
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -17,7 +18,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from .base import CorruptRecordError, StorageError
+from .base import CorruptRecordError, NewerFormatError, StorageError
 
 MANIFEST = "manifest.safetensors"
 MANIFEST_TMP = MANIFEST + ".tmp"
@@ -78,6 +79,9 @@ def decode_manifest(data: bytes):
         raise CorruptManifestError(f"manifest is not valid safetensors: {exc}") from None
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise CorruptManifestError("manifest format tag missing: not a tierkv manifest")
+    if str(info.get("version")).isdigit() and int(info["version"]) > int(VERSION):
+        raise NewerFormatError(f"manifest version {info['version']}: this tierkv reads version "
+                               f"{VERSION}; open the directory with the tierkv that wrote it")
     if info.get("version") != VERSION:
         raise CorruptManifestError(f"manifest version {info.get('version')!r}: expected {VERSION}")
     if info.get("crc") != str(_crc(info, tensors)):
@@ -137,7 +141,10 @@ def read_manifest(dir_fd: int):
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise CorruptManifestError(f"manifest cannot be opened ({exc}); a symlink is refused")
+        if exc.errno == errno.ELOOP:
+            raise CorruptManifestError("manifest is a symlink: refused") from None
+        # Not damage (permissions, I/O): never set aside and replaced for that.
+        raise StorageError(f"manifest cannot be opened: {exc}") from None
     try:
         size = os.fstat(fd).st_size
         if size > MAX_MANIFEST:

@@ -7,6 +7,7 @@ record, once written, never changes: readers need no lock.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 from pathlib import Path
@@ -26,8 +27,9 @@ class SegmentDir:
     """Segments of ``path`` and the index rebuilt from them.
 
     Attributes ``foreign`` (segment-named files that hold no tierkv record: left untouched),
-    ``refused`` (symlinks and non-regular files), ``problems`` (skipped bad bytes) and
-    ``truncated`` (torn tails cut, bytes per file) describe what scanning found.
+    ``refused`` (symlinks and non-regular files), ``problems`` (skipped bad bytes),
+    ``truncated`` (tails cut, bytes per file) and ``kept`` (cut tails that were not a torn
+    record, copied first to ``<segment>.cut-N``, per file) describe what scanning found.
     """
 
     def __init__(self, path: Path, segment_size: int):
@@ -41,6 +43,7 @@ class SegmentDir:
         self.refused: dict[str, str] = {}
         self.problems: list[str] = []
         self.truncated: dict[str, int] = {}
+        self.kept: dict[str, str] = {}
         self.bytes_written = 0
         self.generation = 0  # bumped whenever the index changes other than by this append
         self._unusable: set[int] = set()  # foreign or refused: never read, written or reused
@@ -134,13 +137,68 @@ class SegmentDir:
         self.problems += [f"{segment_name(number)} {p}" for p in problems]
 
     def _cut_tail(self, number: int, valid_end: int, size: int) -> None:
+        """Cut the segment back to its last valid record, so appends follow valid records.
+
+        A torn append (a header cut short, or one whose record runs past the end) is dropped.
+        Anything else there (a complete record that fails its crc, bytes no tierkv record
+        explains) may be someone's data: it is copied to ``<segment>.cut-N`` first.
+        """
         name = segment_name(number)
+        if not self._torn(number, valid_end, size):
+            self.kept[name] = self._copy_aside(number, valid_end, size)
         fd = os.open(name, _WO, dir_fd=self.dir_fd)
         try:
             os.ftruncate(fd, valid_end)
         finally:
             os.close(fd)
         self.truncated[name] = self.truncated.get(name, 0) + size - valid_end
+
+    def _torn(self, number: int, offset: int, size: int) -> bool:
+        """Whether the bytes from ``offset`` to ``size`` are the start of one record cut short."""
+        fd = self.open_read(number)
+        try:
+            head = os.pread(fd, HEADER.size, offset)
+        finally:
+            os.close(fd)
+        if not head.strip(b"\0"):  # space the file system allocated, never written
+            return True
+        if len(head) < HEADER.size:
+            lead = head[:len(MAGIC)]
+            return lead == MAGIC[:len(lead)]
+        try:
+            return offset + parse_header(head).length > size
+        except CorruptRecordError:
+            return False
+
+    def _copy_aside(self, number: int, start: int, end: int) -> str:
+        """Copy bytes ``[start, end)`` of segment ``number`` to a new ``<segment>.cut-N``
+        (fsynced); its name."""
+        base = segment_name(number)
+        src = self.open_read(number)
+        try:
+            for n in itertools.count(1):
+                name = f"{base}.cut-{n}"
+                try:
+                    dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                                  | os.O_CLOEXEC, 0o644, dir_fd=self.dir_fd)
+                    break
+                except FileExistsError:
+                    continue
+            try:
+                offset = start
+                while offset < end:
+                    chunk = os.pread(src, min(1 << 22, end - offset), offset)
+                    if not chunk:
+                        break
+                    os.write(dst, chunk)
+                    offset += len(chunk)
+                os.fsync(dst)
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+        os.fsync(self.dir_fd)
+        return name
 
     def open_read(self, number: int) -> int:
         """A read-only descriptor of segment ``number`` (FileNotFoundError once it is deleted)."""

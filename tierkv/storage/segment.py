@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import CorruptRecordError, RecordKey
+from .base import CorruptRecordError, NewerFormatError, RecordKey
 
 MAGIC = b"TKVR"
 VERSION = 1
@@ -206,11 +206,31 @@ def scan_headers(fd: int, end: int) -> list[Scanned] | None:
 
 
 def _read_valid(fd: int, offset: int, end: int) -> RecordHeader:
-    header = parse_header(os.pread(fd, HEADER.size, offset))
+    head = os.pread(fd, HEADER.size, offset)
+    try:
+        header = parse_header(head)
+    except CorruptRecordError:
+        _raise_if_newer(fd, head, offset, end)
+        raise
     if offset + header.length > end:
         raise CorruptRecordError(f"record runs past end of file ({header.length} bytes)")
     check_crc(header, os.pread(fd, header.length, offset))
     return header
+
+
+def _raise_if_newer(fd: int, head: bytes, offset: int, end: int) -> None:
+    """NewerFormatError when ``head`` starts an intact record of a newer format version: its
+    crc32, which covers the version field, holds (a damaged version field breaks it)."""
+    if len(head) < HEADER.size:
+        return
+    fields = HEADER.unpack_from(head)
+    magic, version, stored_len, crc = fields[0], fields[1], fields[13], fields[-1]
+    if magic != MAGIC or version <= VERSION or offset + HEADER.size + stored_len > end:
+        return
+    record = os.pread(fd, HEADER.size + stored_len, offset)
+    if zlib.crc32(record[:HEADER.size - 4], zlib.crc32(record[HEADER.size:])) == crc:
+        raise NewerFormatError(f"record format version {version}: this tierkv reads version "
+                               f"{VERSION}; open the directory with the tierkv that wrote it")
 
 
 def _next_valid(fd: int, offset: int, end: int) -> int | None:

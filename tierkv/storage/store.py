@@ -52,7 +52,9 @@ class KVStore:
         self.shape, self.config = shape, config
         self.controller = _check_controller(controller, config)
         self.device = DeviceTier(config.device_budget, config.torch_device)
-        self.host = HostTier(config.host_budget)
+        # Page-locked host memory only speeds copies to a GPU; with the device tier in CPU memory
+        # it would only take RAM that cannot be swapped.
+        self.host = HostTier(config.host_budget, pin=self.device.device.type == "cuda")
         self.disk = None if config.disk_dir is None else DiskTier(
             config.disk_dir, codec=config.codec, segment_size=config.segment_size,
             io_threads=config.io_threads, budget=config.disk_budget)
@@ -90,6 +92,11 @@ class KVStore:
         for key, block, _ in items:
             self._check(key, block)
         self._check_codec(codec)
+        if codec in LOSSY_CODECS:  # found now, not when a later spill writes it
+            bad = next((key for key, block, _ in items if not _finite(block)), None)
+            if bad is not None:
+                raise ValueError(f"block of {bad}: holds NaN or inf, which codec={codec!r} "
+                                 "cannot store; use a lossless codec")
         with self._lock:
             for key, _, value in items:
                 self._codecs[key] = codec
@@ -123,6 +130,9 @@ class KVStore:
     def _check(self, key: RecordKey, block: KVBlock) -> None:
         if not isinstance(key, RecordKey):
             raise ValueError(f"key={key!r}: expected a RecordKey")
+        if not isinstance(block, KVBlock):
+            raise ValueError(f"block of {key}: expected a KVBlock(keys, values), got "
+                             f"{type(block).__name__}")
         block.check(key)
         layers, heads, _, dim = block.keys.shape
         s = self.shape
@@ -200,7 +210,10 @@ class KVStore:
         if codec is not None or self.controller is None or self.config.codec.codec != "auto":
             return codec
         cold = self._ranks.is_cold(key, self.config.codec.cold_fraction)
-        return self.controller.choose_for(block, cold)
+        codec = self.controller.choose_for(block, cold)
+        if codec in LOSSY_CODECS and not _finite(block):
+            return "zstd"  # a lossy codec cannot store NaN or inf; losslessly, then
+        return codec
 
     def set_importance(self, key: RecordKey, value: float) -> None:
         """Set the importance that orders spilling (lowest spills first); KeyError if absent."""
@@ -213,8 +226,12 @@ class KVStore:
     def _tiers(self):
         return [t for t in (self.device, self.host, self.disk) if t is not None]
 
+    def _check_open(self) -> None:
+        self.host._check_open()  # the tiers close together; StorageError once they have
+
     def where(self, key: RecordKey) -> str | None:
         """"device", "host", "disk" (the fastest tier holding ``key``) or None."""
+        self._check_open()
         for tier in self._tiers():
             if key in tier:
                 return tier.name
@@ -232,7 +249,13 @@ class KVStore:
 
     def fetch(self, keys, device: torch.device | str) -> list[KVBlock]:
         """The blocks of ``keys`` copied onto ``device``, in order; disk reads are batched."""
+        if isinstance(keys, RecordKey):
+            raise ValueError(f"fetch: keys={keys!r} is one key; pass a list of RecordKeys")
         keys = list(keys)
+        bad = next((k for k in keys if not isinstance(k, RecordKey)), None)
+        if bad is not None:
+            raise ValueError(f"fetch: {bad!r} is not a RecordKey")
+        device = _fetch_device(device)
         out: list[KVBlock | None] = [None] * len(keys)
         on_disk = []
         for i, key in enumerate(keys):
@@ -255,6 +278,7 @@ class KVStore:
     def remove(self, key: RecordKey) -> bool:
         """Forget ``key`` in every tier; whether it was stored."""
         with self._lock:
+            self._check_open()
             self._ranks.discard(key)
             self._codecs.pop(key, None)
             self._clean.discard(key)
@@ -274,6 +298,7 @@ class KVStore:
 
     def stats(self) -> dict:
         """Bytes and records per tier, and the disk tier's bytes read / written."""
+        self._check_open()
         out = {}
         for tier in self._tiers():
             out[f"{tier.name}_bytes"] = tier.used
@@ -314,3 +339,20 @@ def _check_controller(controller, config: TierConfig):
         raise ValueError(f"controller candidates {outside} are outside the config's "
                          f"{list(floor.candidates)}: lossy codecs need allow_lossy=True")
     return controller
+
+
+def _fetch_device(device) -> torch.device:
+    """``device`` as a torch.device a fetch can copy to; ValueError naming what is wrong."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"fetch: device={device!r} is not a device (e.g. 'cpu', 'cuda:0')") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"fetch: device={device}: only 'cpu' and 'cuda' devices are supported")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"fetch: device={device}: CUDA is not available on this machine")
+    return device
+
+
+def _finite(block: KVBlock) -> bool:
+    return bool(torch.isfinite(block.keys).all()) and bool(torch.isfinite(block.values).all())
