@@ -33,7 +33,7 @@ def _recorded_attention(model, first_query: int):
     records: list[torch.Tensor] = []
 
     def keep(module, args, output):
-        records.append(output[1][0, :, first_query:].detach().float())
+        records.append(output[1][0, :, first_query:].detach().float().cpu())
 
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
@@ -57,7 +57,8 @@ def _decoder_layers(model):
 def _attention(model, input_ids: torch.Tensor, first_query: int) -> torch.Tensor:
     """Attention of queries ``first_query:`` at every layer, shape (layers, q_heads, queries, keys)."""
     with _recorded_attention(model, first_query) as records, torch.no_grad():
-        model(input_ids=input_ids.unsqueeze(0), use_cache=False)
+        device = next(model.parameters()).device
+        model(input_ids=input_ids.unsqueeze(0).to(device), use_cache=False)
     return torch.stack(records)
 
 

@@ -109,7 +109,7 @@ class Pipeline:
             raise ValueError(f"groups={groups!r}: must be a positive integer")
         self.store = store
         self.metrics = metrics if metrics is not None else Metrics()
-        self.transfer = Transfer(torch.device(device), buffers=threads)
+        self.transfer = Transfer(torch.device(device))
         self.cache = DeviceCache(store.device, min_reuse=MIN_REUSE[self.transfer.device.type])
         controller = controller if controller is not None else store.controller
         self._fetcher = GroupFetcher(store, disk if disk is not None else store.disk, self.cache,

@@ -1,12 +1,13 @@
 """The last stage: one layer group's records, concatenated on the device.
 
 On CUDA the host-resident parts are packed into a pinned staging buffer, copied up on a side
-stream in one transfer, and an event is recorded per group; the consumer's stream waits on that
-event only. Without CUDA it is a plain ``torch.cat``.
+stream (one copy per run of host parts between parts already on the device), and an event is
+recorded per group; the consumer's stream waits on that event only, and no thread waits for the
+copy: the staging buffer comes from PyTorch's pinned-memory allocator, which records the copy
+and reuses the buffer only once the copy has run. Without CUDA it is a plain ``torch.cat``.
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,44 +24,15 @@ class Delivery:
     event: "torch.cuda.Event | None" = None
 
 
-class StagingPool:
-    """Reusable pinned host buffers (bytes), at most ``keep`` of them kept between uses."""
-
-    def __init__(self, keep: int):
-        self._free: list[torch.Tensor] = []
-        self._keep = keep
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
-            if fits:
-                buf = min(fits, key=torch.Tensor.numel)
-                self._free.remove(buf)
-                return buf
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def give(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(buf)
-            self._free.sort(key=torch.Tensor.numel, reverse=True)
-            del self._free[self._keep:]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-
-
 class Transfer:
     """Concatenate a group's parts along the token axis into one block on ``device``.
 
     Parameters
     ----------
     device : torch.device of the result; CUDA requires ``torch.cuda.is_available()``.
-    buffers : pinned staging buffers kept for reuse (CUDA only).
     """
 
-    def __init__(self, device: torch.device, buffers: int):
+    def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         if self.cuda and not torch.cuda.is_available():
@@ -68,7 +40,6 @@ class Transfer:
         if self.device.type not in ("cuda", "cpu"):
             raise ValueError(f"device={self.device}: only 'cpu' and 'cuda' devices are supported")
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._pool = StagingPool(buffers) if self.cuda else None
 
     def mark_ready(self) -> "torch.cuda.Event | None":
         """Record, on the consumer's stream, the point the side stream must wait for (CUDA)."""
@@ -103,37 +74,33 @@ class Transfer:
         return delivery.block
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.clear()
+        """Nothing is held between assemblies (kept for the pipeline's shutdown order)."""
 
     def _assemble_cuda(self, parts: list[KVBlock], after, then, spare: int) -> Delivery:
         layers, heads, _, dim = parts[0].keys.shape
         dtype = parts[0].keys.dtype
         offsets = _offsets(parts)
         shape = (2, layers, heads, offsets[-1] + spare, dim)
-        on_host = {i for i, p in enumerate(parts) if p.keys.device.type == "cpu"}
-        staging = None
+        on_host = [p.keys.device.type == "cpu" for p in parts]
         with torch.cuda.stream(self._stream):
             if after is not None:
                 self._stream.wait_event(after)
             out = torch.empty(shape, dtype=dtype, device=self.device)
-            if on_host:
-                nbytes = out.numel() * out.element_size()
-                staging = self._pool.take(nbytes)
-                packed = staging[:nbytes].view(dtype).view(shape)
-                for i in on_host:
+            if any(on_host):
+                # Pinned, from PyTorch's caching host allocator: freed when this returns, but
+                # not handed out again before the copies below have run on the side stream.
+                packed = torch.empty(shape, dtype=dtype, pin_memory=True)
+                for i in (i for i, host in enumerate(on_host) if host):
                     _place(packed, parts[i], offsets[i], offsets[i + 1])
-                out.copy_(packed, non_blocking=True)
+                for start, end in _runs(on_host, offsets):  # host parts only, not the spare
+                    out[:, :, :, start:end].copy_(packed[:, :, :, start:end], non_blocking=True)
             for i, part in enumerate(parts):
-                if i not in on_host:
+                if not on_host[i]:
                     _place(out, part, offsets[i], offsets[i + 1])
             block = KVBlock(out[0], out[1])
             then(block)
             event = torch.cuda.Event()
             event.record(self._stream)
-        if staging is not None:
-            event.synchronize()  # the pinned buffer is reusable once the copy has landed
-            self._pool.give(staging)
         return Delivery(block, event)
 
 
@@ -144,6 +111,19 @@ def _packed(parts: list[KVBlock], spare: int, device: torch.device) -> KVBlock:
     room = torch.empty((layers, heads, spare, dim), dtype=parts[0].keys.dtype, device=device)
     return KVBlock(torch.cat([p.keys for p in parts] + [room], dim=2),
                    torch.cat([p.values for p in parts] + [room], dim=2))
+
+
+def _runs(flags: list[bool], offsets: list[int]) -> list[tuple[int, int]]:
+    """Token ranges ``[start, end)`` of the maximal runs of consecutive parts whose flag is set."""
+    runs: list[tuple[int, int]] = []
+    for i, flag in enumerate(flags):
+        if not flag:
+            continue
+        if runs and runs[-1][1] == offsets[i]:
+            runs[-1] = (runs[-1][0], offsets[i + 1])
+        else:
+            runs.append((offsets[i], offsets[i + 1]))
+    return runs
 
 
 def _offsets(parts: list[KVBlock]) -> list[int]:
