@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .storage.manifest import MANIFEST
+from .storage.segment import SEGMENT_RE
 
 MAX_DOCUMENT_BYTES = 64 << 20
 
@@ -34,9 +35,19 @@ def check_new_dir(path: Path, option: str) -> None:
         raise ValueError(f"{option} {path}: exists and is not an empty directory")
 
 
-def check_store_dir(path: Path, option: str) -> None:
-    """``path`` is a directory holding a tierkv disk tier (its manifest)."""
+def check_store_dir(path: Path, option: str, segments_enough: bool = False) -> None:
+    """``path`` is a directory holding a tierkv disk tier: its manifest, or (with
+    ``segments_enough``, for reading what is there) segment files alone."""
     if not path.is_dir():
-        raise ValueError(f"{option} {path}: no such directory")
-    if not (path / MANIFEST).is_file():
-        raise ValueError(f"{option} {path}: not a tierkv store (no {MANIFEST})")
+        raise ValueError(f"{option} {path}: " + ("not a directory" if path.exists() else
+                                                  "no such directory"))
+    if (path / MANIFEST).is_file():
+        return
+    segments = any(SEGMENT_RE.match(p.name) for p in path.iterdir())
+    if segments and segments_enough:
+        return
+    if segments:
+        raise ValueError(f"{option} {path}: has segment files but no {MANIFEST}, so no saved "
+                         f"document (a run that never saved, or a crash before the save ended); "
+                         f"'tierkv inspect {path}' shows its records")
+    raise ValueError(f"{option} {path}: not a tierkv store (no {MANIFEST})")

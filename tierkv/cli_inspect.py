@@ -48,7 +48,7 @@ def run_inspect(args) -> int:
     """Print the report (and draw the picture); 1 when the store is not whole."""
     from .storage.disk import DiskTier
 
-    check_store_dir(args.dir, "inspect")
+    check_store_dir(args.dir, "inspect", segments_enough=True)
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise ValueError(f"--plot {args.plot}: expected a .png file name")
     with DiskTier(args.dir) as disk:

@@ -171,6 +171,23 @@ def test_budget_and_fetch_unit_reach_the_cache(case, monkeypatch, capsys, tmp_pa
     assert opened == [saved.__class__(budget=0.15, fetch_unit="leaf")]
 
 
+def test_a_directory_without_manifest(case, monkeypatch, capsys, tmp_path):
+    """Segments but no manifest (a run that never saved): --load says why it cannot answer,
+    inspect shows the records."""
+    import torch
+
+    from tierkv.storage import DiskTier, KVBlock, RecordKey
+
+    key = RecordKey("doc", 0, 0, 4)
+    with DiskTier(tmp_path / "run") as tier:
+        tier.put(key, KVBlock(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)))
+    (tmp_path / "run" / "manifest.safetensors").unlink()
+    status, err = run_main(["generate", "--load", str(tmp_path / "run"), "--question", "q"], capsys)
+    assert status == 2 and "has segment files but no manifest.safetensors" in last_line(err)
+    assert main(["inspect", str(tmp_path / "run")]) == 0
+    assert "all 1 records read back and verified" in capsys.readouterr().out
+
+
 def test_debug_raises(case, monkeypatch):
     work, _ = case
     monkeypatch.chdir(work)
