@@ -37,7 +37,7 @@ import torch
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from bench.common import attention_installed, write_result
+from bench.common import attention_installed, bench_device, write_result
 from bench.quality import (BUDGETS, continuation_case, reference_argmax, teacher_forced,
                            top1_agreement)
 from tierkv import SelectConfig, load_model
@@ -107,20 +107,21 @@ class OracleAttention:
             heads = probs.shape[1]
             groups = heads // kv_heads
             weights = probs[0, :, 0].view(kv_heads, groups, n).amax(dim=1)
-            keep = torch.stack([self.chosen(w, n, budget) for w in weights])
+            keep = torch.stack([self.chosen(w, n, budget) for w in weights]).to(probs.device)
             return keep.repeat_interleave(groups, 0).view(1, heads, 1, n)
         if self.oracle.source == "layer":
             weights = probs.amax(dim=1)[0, 0]
         else:
             source = max(f for f in self.filters if f <= layer)
             weights = self.weights[source]
-        return self.chosen(weights, n, budget).view(1, 1, 1, n)
+        return self.chosen(weights, n, budget).to(probs.device).view(1, 1, 1, n)
 
     def chosen(self, weights: torch.Tensor, n: int, budget: int) -> torch.Tensor:
         """Sinks, recent window, and the densest tokens or chunks within ``budget`` tokens: a
         chunk costs its tokens not already kept, and chunks are taken by mass per token cost
         while the cost fits (the greedy rule of ``tierkv.select``)."""
         sinks, window = self.select.sinks, self.select.window
+        weights = weights.float().cpu()  # the choice is made on the CPU; ``kept`` moves it back
         keep = torch.zeros(n, dtype=torch.bool)
         keep[:sinks] = True
         keep[max(n - window, 0):] = True
@@ -143,7 +144,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)  # small decode operations: a second thread mostly waits at barriers
     contexts, n_cont = ((2048,), 32) if args.quick else ((2048, 4096, 8192), 64)
     started = time.perf_counter()
-    model, tok = load_model("smollm2-135m")
+    model, tok = load_model("smollm2-135m", device=str(bench_device()))
     filters = tuple(load_profile(model).get("filter_layers", DEFAULT_FILTERS))
     attention = OracleAttention(filters)
     agree = {name: {str(b): {} for b in BUDGETS} for name in ORACLES}

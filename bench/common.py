@@ -83,16 +83,36 @@ def drop_page_cache(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def bench_device() -> torch.device:
+    """Where the benchmarks that run a model or a device tier put them: CUDA when present.
+    ``TIERKV_BENCH_DEVICE=cpu`` keeps a GPU machine's run on the CPU (``cuda`` insists)."""
+    wanted = os.environ.get("TIERKV_BENCH_DEVICE", "auto")
+    if wanted not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"TIERKV_BENCH_DEVICE={wanted!r}: must be auto, cpu or cuda")
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise ValueError("TIERKV_BENCH_DEVICE=cuda: CUDA is not available on this machine")
+    use_cuda = wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available())
+    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (before reading a clock, on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def machine() -> dict:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-            "gpu": gpu, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "gpu": gpu, "device": str(bench_device()), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def write_result(name: str, data: dict) -> Path:
-    """Write ``bench/results/<name>.json`` (atomically) with the machine description added."""
+    """Write ``bench/results/<name>.json`` (atomically) with the machine description added; a
+    run on a GPU writes ``<name>.gpu.json``, beside the CPU machine's figures."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    gpu = bench_device().type == "cuda"
+    path = RESULTS / f"{name}{'.gpu' if gpu else ''}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({"machine": machine(), **data}, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)

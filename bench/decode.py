@@ -22,6 +22,10 @@ Each case is fed full_memory's greedy tokens (teacher forcing, so positions alig
 disk tier's segment files is dropped after prefill. When a case raises ``TierFullError`` its
 device budget is raised by the shortfall the error names (at least 10 %) and the value used is recorded.
 
+On a machine with CUDA the model, ``full_memory``'s cache and the device tier are on the GPU
+(``TIERKV_BENCH_DEVICE=cpu`` keeps them on the CPU), every timed step ends with a device
+synchronisation, and the result goes to ``decode.gpu.json``, beside the CPU figures.
+
     python -m bench.decode [--quick]   ->  bench/results/decode.json
 """
 from __future__ import annotations
@@ -36,7 +40,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from bench.common import drop_page_cache, write_result
+from bench.common import bench_device, drop_page_cache, sync, write_result
 from tierkv import SelectConfig, TierConfig, TieredCache, TierFullError, load_model
 from tierkv.config import ChunkConfig
 from tierkv.shapes import KVShape
@@ -53,7 +57,7 @@ PAIR_BLOCK = 8  # decode steps per turn when full_memory and tierkv alternate
 def prompt_ids(tok, tokens: int, seed: int = 0) -> torch.Tensor:
     """The first ``tokens`` ids of a seeded generated document, shape (1, tokens)."""
     ids = tok(make_document(tok, tokens + 256, seed), return_tensors="pt")["input_ids"]
-    return ids[:, :tokens]
+    return ids[:, :tokens].to(bench_device())
 
 
 @torch.no_grad()
@@ -68,9 +72,11 @@ def run_decode(model, cache, ids: torch.Tensor, ref: torch.Tensor | None, steps:
     seconds = []
     for i in range(steps):
         token = (ref[i] if ref is not None else preds[-1]).view(1, 1)
+        sync(ids.device)
         t0 = time.perf_counter()
         logits = model(token, past_key_values=cache, use_cache=True).logits
         preds.append(logits[0, -1].argmax())
+        sync(ids.device)
         seconds.append(time.perf_counter() - t0)
     return torch.stack(preds), seconds
 
@@ -92,8 +98,10 @@ def paired_speed(model, plain, ids, ref, steps: int, policy: str, device: int, h
         for start in range(0, steps, block):
             for name, net, cache in runs:
                 for i in range(start, min(start + block, steps)):
+                    sync(ids.device)
                     t0 = time.perf_counter()
                     net(ref[i].view(1, 1), past_key_values=cache, use_cache=True)
+                    sync(ids.device)
                     seconds[name].append(time.perf_counter() - t0)
     finally:
         tiered.close()
@@ -104,7 +112,7 @@ def paired_speed(model, plain, ids, ref, steps: int, policy: str, device: int, h
 def new_cache(model, policy: str, device: int, host: int, disk_dir: Path) -> TieredCache:
     """A TieredCache over an emptied ``disk_dir`` with the bench's budgets and selection."""
     shutil.rmtree(disk_dir, ignore_errors=True)
-    config = TierConfig(device_budget=device, host_budget=host, disk_dir=disk_dir, device="cpu")
+    config = TierConfig(device_budget=device, host_budget=host, disk_dir=disk_dir)  # model's device
     return TieredCache(model, config, policy, select=SelectConfig(budget=SELECT, fetch_unit=FETCH_UNIT),
                        chunks=CHUNKS)
 
@@ -225,7 +233,7 @@ def main(argv=None) -> dict:
             parser.error(f"--chunk-min {args.chunk_min}: {err}")
     torch.manual_seed(0)
     tokens, steps = (2048, 16) if args.quick else (8192, 64)
-    model, tok = load_model("smollm2-135m")
+    model, tok = load_model("smollm2-135m", device=str(bench_device()))
     ids = prompt_ids(tok, tokens)
     kv = KVShape.from_config(model.config, dtype=model.dtype).kv_bytes(tokens)
     device, host = int(DEVICE_SHARE * kv), int(HOST_SHARE * kv)
@@ -243,7 +251,7 @@ def main(argv=None) -> dict:
             print(f"{policy}: {cases[policy].get('ms_per_token', 'error')} ms/token", flush=True)
         paired = None
         if "tierkv" in cases and "error" not in cases["tierkv"]:
-            plain, _ = load_model("smollm2-135m")
+            plain, _ = load_model("smollm2-135m", device=str(bench_device()))
             paired = paired_speed(model, plain, ids, ref, steps, "tierkv",
                                   cases["tierkv"]["device_budget"], host, root / "paired")
             del plain

@@ -10,6 +10,10 @@ dropped before each measured run.
 records with the codecs its compression controller chooses; the fetch time of that mix is
 compared with stores of one fixed codec each (see ``codec_case``).
 
+On a machine with CUDA the device tier and the compute are on the GPU (pinned staging and side
+streams in the pipeline; ``TIERKV_BENCH_DEVICE=cpu`` keeps them on the CPU) and the result goes
+to ``pipeline.gpu.json``.
+
     python -m bench.pipeline [--quick]   ->  bench/results/pipeline.json
 """
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.common import drop_page_cache, real_kv, write_result
+from bench.common import bench_device, drop_page_cache, real_kv, sync, write_result
 from tierkv.config import LOSSY_CODECS, CodecConfig, TierConfig
 from tierkv.pipeline import CompressionController, FetchPlan, Metrics, Pipeline, ThrottledDisk
 from tierkv.shapes import KVShape
@@ -92,10 +96,10 @@ class GroupCompute:
     """The decode compute of one layer group: per layer, the projections of the new token,
     attention of its (real) query over the fetched KV, o_proj and the MLP."""
 
-    def __init__(self, model, queries: torch.Tensor):
-        self.model, self.queries = model, queries
+    def __init__(self, model, queries: torch.Tensor, device: torch.device):
+        self.model, self.queries, self.device = model.to(device), queries.to(device), device
         gen = torch.Generator().manual_seed(1)
-        self.hidden = torch.randn(1, 1, model.config.hidden_size, generator=gen)
+        self.hidden = torch.randn(1, 1, model.config.hidden_size, generator=gen).to(device)
 
     @torch.no_grad()
     def __call__(self, group: int, block: KVBlock) -> None:
@@ -111,6 +115,7 @@ class GroupCompute:
                                                  block.values[j].unsqueeze(0), enable_gqa=True)
             hidden = hidden + attn.o_proj(out.reshape(1, 1, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        sync(self.device)  # the group's compute, done (on CUDA, queued work counts when it ran)
 
 
 def decode(plans, fetch, compute, metrics: Metrics) -> None:
@@ -145,7 +150,7 @@ def open_store(root: Path, name: str, shape: KVShape, device_budget: int,
                codec: CodecConfig = CodecConfig(), host_budget: int | str = "1MB",
                controller: CompressionController | None = None) -> KVStore:
     config = TierConfig(device_budget=device_budget, host_budget=host_budget,
-                        disk_dir=root / name, device="cpu", io_threads=2, codec=codec)
+                        disk_dir=root / name, device=str(bench_device()), io_threads=2, codec=codec)
     return KVStore(shape, config, controller=controller)
 
 
@@ -337,7 +342,7 @@ def main(argv=None) -> dict:
     plans = make_plans(keys, queries, steps)
     kv_bytes = keys.nbytes + values.nbytes
     budget = int(0.05 * kv_bytes)
-    compute = GroupCompute(model, queries)
+    compute = GroupCompute(model, queries, bench_device())
     root = Path(tempfile.mkdtemp(prefix="tierkv-bench-pipeline-"))
     try:
         lossless = codec_case(root, shape, recs, plans, CodecConfig())

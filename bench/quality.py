@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from bench.common import write_result
+from bench.common import bench_device, sync, write_result
 from tierkv import SelectConfig, TierConfig, TieredCache, load_model
 from tierkv.shapes import KVShape
 from tierkv.textgen import make_document, passkey_prompt
@@ -144,7 +144,7 @@ def continuation_case(tok, context: int, continuation: int, seed: int):
     sentence's length and falls short by a few percent (4K: 3839 tokens for 4224 asked). Its
     start does not depend on the length asked."""
     doc = make_document(tok, (context + continuation) * 5 // 4 + 128, seed)
-    ids = tok(doc, return_tensors="pt")["input_ids"]
+    ids = tok(doc, return_tensors="pt")["input_ids"].to(bench_device())
     if ids.shape[1] < context + continuation:
         raise RuntimeError(f"document of {ids.shape[1]} tokens, need {context + continuation}")
     return ids[:, :context], ids[0, context:context + continuation]
@@ -174,9 +174,11 @@ def teacher_forced(model, cache, cont: torch.Tensor):
     preds, seconds = [], 0.0
     with decode_threads():
         for token in cont:
+            sync(cont.device)
             t0 = time.perf_counter()
             logits = model(token.view(1, 1), past_key_values=cache, use_cache=True).logits
             preds.append(logits[0, -1].argmax())
+            sync(cont.device)
             seconds += time.perf_counter() - t0
     return torch.stack(preds), seconds
 
@@ -184,7 +186,8 @@ def teacher_forced(model, cache, cont: torch.Tensor):
 def passkey_cases(tok, n: int) -> list[tuple[torch.Tensor, str]]:
     """The integration tests' pass-key cases (same prompts, hint included): seeds ``0..n-1``."""
     prompts = (passkey_prompt(tok, PASSKEY_TOKENS, seed) for seed in range(n))
-    return [(tok(prompt, return_tensors="pt")["input_ids"], answer) for prompt, answer in prompts]
+    return [(tok(prompt, return_tensors="pt")["input_ids"].to(bench_device()), answer)
+            for prompt, answer in prompts]
 
 
 def passkey_run(model, tok, cases, policy: str, budget: float, prefills: Prefills) -> float:
@@ -256,7 +259,7 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     contexts, n_cont, n_cases = ((2048,), 32, 3) if args.quick else ((2048, 4096, 8192), 64, 10)
     started = time.perf_counter()
-    model, tok = load_model("smollm2-135m")
+    model, tok = load_model("smollm2-135m", device=str(bench_device()))
     result = {"policies": {}, "context_tokens": list(contexts), "continuation_tokens": n_cont,
               "passkey_cases": n_cases, "passkey_tokens": PASSKEY_TOKENS, "quick": args.quick,
               "decode_threads": DECODE_THREADS, "model": "smollm2-135m"}

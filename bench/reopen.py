@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import drop_page_cache, write_result
+from bench.common import bench_device, drop_page_cache, write_result
 from tierkv import TierConfig, TieredCache, load_model
 from tierkv.shapes import KVShape
 from tierkv.textgen import document_text, make_document, passkey_fact, question_text
@@ -49,6 +49,7 @@ def tier_config(model, tokens: int, disk_dir: Path) -> TierConfig:
 
 
 def first_token(model, cache, ids: torch.Tensor) -> int:
+    ids = ids.to(bench_device())
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
                              max_new_tokens=1, do_sample=False)
@@ -57,12 +58,12 @@ def first_token(model, cache, ids: torch.Tensor) -> int:
 
 def save_document(tokens: int, work: Path) -> dict:
     """Prefill the document and save it under ``work/saved``; what it took."""
-    model, tok = load_model("smollm2-135m")
+    model, tok = load_model("smollm2-135m", device=str(bench_device()))
     doc, _ = prompt_ids(tok, tokens)
     t0 = time.perf_counter()
     with TieredCache(model, tier_config(model, doc.shape[1], work / "disk")) as cache:
         with torch.no_grad():
-            model(doc, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(doc.to(bench_device()), past_key_values=cache, use_cache=True, logits_to_keep=1)
         t1 = time.perf_counter()
         cache.save(work / "saved")
     return {"document_tokens": doc.shape[1], "first_prefill_s": t1 - t0,
@@ -72,7 +73,7 @@ def save_document(tokens: int, work: Path) -> dict:
 def child(tokens: int, work: Path) -> dict:
     """In a fresh process: time reopening against prefilling again, both to the first token."""
     t0 = time.perf_counter()
-    model, tok = load_model("smollm2-135m")
+    model, tok = load_model("smollm2-135m", device=str(bench_device()))
     load_s = time.perf_counter() - t0
     doc, question = prompt_ids(tok, tokens)
     for segment in (work / "saved").glob("seg-*.tkv"):

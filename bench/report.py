@@ -157,14 +157,21 @@ RENDERERS = {"storage": storage_rows, "selection": selection_rows, "pipeline": p
 def render(results: dict[str, dict]) -> str:
     """The markdown table (and machine line) of ``results``: {bench name: parsed JSON}."""
     lines = ["| benchmark | figure | value | meaning |", "|---|---|---|---|"]
-    names = [n for n in ORDER if n in results] + sorted(set(results) - set(ORDER))
-    for name in names:
-        renderer = RENDERERS.get(name)
+
+    def order(name: str):  # "decode.gpu" (a GPU machine's run) right after "decode"
+        base, _, variant = name.partition(".")
+        return (ORDER.index(base) if base in ORDER else len(ORDER), base, variant)
+
+    for name in sorted(results, key=order):
+        base, _, variant = name.partition(".")
+        label = f"{base} ({results[name].get('machine', {}).get('gpu') or variant})" \
+            if variant else name
+        renderer = RENDERERS.get(base)
         if renderer is None:
-            lines.append(f"| {name} | - | - | no renderer for this file |")
+            lines.append(f"| {label} | - | - | no renderer for this file |")
             continue
         for figure, value, meaning in renderer(results[name]):
-            lines.append(f"| {name} | {figure} | {fmt(value)} | {meaning or ''} |")
+            lines.append(f"| {label} | {figure} | {fmt(value)} | {meaning or ''} |")
     machines = {}
     for r in results.values():
         m = r.get("machine", {})

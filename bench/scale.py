@@ -32,6 +32,10 @@ opens (torch, the synthetic pool; ``rss_idle``: the parent, torch only); ``peak_
 of each phase) of writing the KV, of the selective steps and of the brute-force step, each with
 the baseline, the host tier and the summaries included; ``peak_rss_process`` is the largest.
 
+On a machine with CUDA the device tier is the GPU: fetches land there through pinned host memory
+and the attention runs there (``TIERKV_BENCH_DEVICE=cpu`` keeps it all on the CPU); the step ends
+with a device synchronisation and the result goes to ``scale.gpu.json``.
+
     python -m bench.scale [--quick] [--tokens 65536 262144]   ->  bench/results/scale.json
 """
 from __future__ import annotations
@@ -54,7 +58,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from bench.common import drop_page_cache, write_result
+from bench.common import bench_device, drop_page_cache, sync, write_result
 from tierkv import KVBlock, KVShape, KVStore, RecordKey, TierConfig
 from tierkv.attention import DecodeAccumulator
 from tierkv.config import CodecConfig
@@ -203,7 +207,8 @@ def load(store: KVStore, kv: SyntheticKV, summaries, chosen_of, fetchers, out: q
                                            (pending and g == len(summaries) - 1)):
                 batch, pending = pending[:BATCH], pending[BATCH:]
                 keys = [key(group, c) for group, _, _, c in batch]
-                out.put((fetchers.submit(work["fetch"].timed, store.fetch, keys, "cpu"), batch))
+                out.put((fetchers.submit(work["fetch"].timed, store.fetch, keys,
+                                         store.device.device), batch))
                 submitted += keys
     finally:
         out.put(None)
@@ -220,7 +225,7 @@ def attend(items: queue.Queue, kv: SyntheticKV, work: dict[str, Timeline]) -> in
         t0 = time.perf_counter()
         for (g, q, chosen, chunk), block in zip(batch, blocks):
             if acc is None:
-                acc = DecodeAccumulator(q.expand(GROUP, *q.shape), SCALING)
+                acc = DecodeAccumulator(q.expand(GROUP, *q.shape).to(block.keys.device), SCALING)
             acc.add(block.keys, block.values)  # a record at a time: its fp32 copies stay in cache
             if chunk == chosen[-1]:
                 acc.result()
@@ -254,6 +259,7 @@ def step(store: KVStore, kv: SyntheticKV, summaries, chosen_of, workers: Workers
                 items.get(timeout=0.1)
         raise
     keys = job.result()
+    sync(store.device.device)
     seconds = time.perf_counter() - start
     return {"s": seconds, **{f"{name}_s": t.seconds for name, t in work.items()}, "keys": keys,
             "disk_bytes": store.disk.bytes_read - read0, "recall": hits / (NEEDLES * len(summaries))}
@@ -356,7 +362,7 @@ def bench_size(root: Path, tokens: int, steps: int) -> dict:
     scale = min(1.0, tokens / REF_TOKENS)  # 1 GB / 4 GB from 64K tokens up
     device, host = int(DEVICE_BUDGET * scale), int(HOST_BUDGET * scale)
     config = TierConfig(device_budget=device, host_budget=host, disk_dir=root / f"kv-{tokens}",
-                        device="cpu", codec=CodecConfig("raw"), io_threads=IO_THREADS)
+                        device=str(bench_device()), codec=CodecConfig("raw"), io_threads=IO_THREADS)
     kv = SyntheticKV(tokens)
     select_tokens = int(SELECT * tokens)
     rss = {"baseline": psutil.Process().memory_info().rss}

@@ -52,6 +52,32 @@ def test_render_orders_benchmarks():
     assert order == ["storage", "decode", "scale", "mystery"]
 
 
+def test_a_gpu_run_sits_beside_the_cpu_one(tmp_path, monkeypatch):
+    """``<name>.gpu.json`` (a GPU machine's run) renders right after ``<name>``, its rows
+    labelled with the GPU, and both machines are described."""
+    import bench.common as common
+
+    results = fake_results()
+    gpu = {**MACHINE, "gpu": "NVIDIA H100", "device": "cuda:0"}
+    results["decode.gpu"] = {**results["decode"], "machine": gpu, "speedup_vs_full_memory": 1.4}
+    table = render(results)
+    first = [line.split("|")[1].strip() for line in table.splitlines()[2:] if line.startswith("| ")]
+    assert list(dict.fromkeys(first)) == ["storage", "decode", "decode (NVIDIA H100)", "scale",
+                                          "mystery"]
+    assert "| decode (NVIDIA H100) | speedup vs full_memory | 1.4 |" in table
+    assert "2 CPUs, NVIDIA H100" in table and "2 CPUs, no GPU" in table
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setenv("TIERKV_BENCH_DEVICE", "cpu")
+    assert common.write_result("x", {}).name == "x.json"
+    monkeypatch.setattr(common, "bench_device", lambda: __import__("torch").device("cuda", 0))
+    monkeypatch.setattr(common, "machine", lambda: gpu)
+    assert common.write_result("x", {}).name == "x.gpu.json"
+    monkeypatch.undo()
+    monkeypatch.setenv("TIERKV_BENCH_DEVICE", "tpu")
+    with pytest.raises(ValueError, match="TIERKV_BENCH_DEVICE='tpu'"):
+        common.bench_device()
+
+
 def test_fmt():
     assert fmt(None) == "-" and fmt(True) == "yes" and fmt(0.123456) == "0.123"
     assert fmt(123456.0) == "1.235e+05" and fmt(7) == "7"
