@@ -140,9 +140,14 @@ def _answer(args, model, tok, cache) -> dict:
     streamer = TimedStreamer(tok, cache)
     sys.stdout.write(args.answer_prefix)
     t0 = time.perf_counter()
-    with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                       max_new_tokens=args.max_new_tokens, do_sample=False, streamer=streamer)
+    try:
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                           max_new_tokens=args.max_new_tokens, do_sample=False, streamer=streamer)
+    except BaseException:
+        sys.stdout.write("\n")  # an error mid-answer goes on a line of its own
+        sys.stdout.flush()
+        raise
     return {"question_tokens": turn.shape[1], **streamer.figures(t0)}
 
 

@@ -27,12 +27,15 @@ class DocSurvey:
         "missing": a chunk of the saved index with no record (damage), or, in a run's disk tier
         without a saved index, a range between records (it was on the host or device tier).
     window : group -> tokens of the unsealed recent window kept in the manifest.
+    leaves : group -> leaf bounds of the saved chunk tree (a record may hold several leaves,
+        and a merged leaf several records); absent without a saved index.
     """
 
     name: str
     meta: dict
     chunks: dict[int, list[tuple[int, int, str]]] = field(default_factory=dict)
     window: dict[int, int] = field(default_factory=dict)
+    leaves: dict[int, list[int]] = field(default_factory=dict)
     bytes_by_codec: Counter = field(default_factory=Counter)
     records_by_codec: Counter = field(default_factory=Counter)
 
@@ -92,6 +95,8 @@ def survey(disk, health: list[dict]) -> list[DocSurvey]:
             doc.chunks[group] = [(s, e, _status(on_disk.get((group, s, e)), bad, codecs))
                                  for s, e in zip(starts, ends)]
             doc.window[group] = _window(meta, arrays, group)
+            if f"g{group}.bounds" in arrays:
+                doc.leaves[group] = arrays[f"g{group}.bounds"].long().tolist()
         docs.append(doc)
     return docs
 
@@ -179,9 +184,12 @@ def doc_lines(doc: DocSurvey) -> list[str]:
         layers = meta.get("groups", [])
         who = f" (layers {_span(layers[group])})" if group < len(layers) else ""
         gap = f", {absent} tokens not on disk" if absent else ""
+        bounds = doc.leaves.get(group, [])
+        leaves = [b - a for a, b in zip(bounds, bounds[1:])]
+        tree = f"; tree: {len(leaves)} leaves of {min(leaves)}-{max(leaves)} tokens" if leaves else ""
         lines.append(f"  group {group}{who}: {len(sizes)} chunks of {min(sizes, default=0)}-"
                      f"{max(sizes, default=0)} tokens on disk{gap}, sealed up to "
-                     f"{chunks[-1][1] if chunks else 0}, window {doc.window.get(group, 0)}")
+                     f"{chunks[-1][1] if chunks else 0}, window {doc.window.get(group, 0)}{tree}")
     return lines
 
 

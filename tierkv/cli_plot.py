@@ -1,8 +1,9 @@
 """The picture of ``tierkv inspect --plot``: chunks along the sequence, per layer group.
 
-For each document: a top panel with the chunk size along the sequence (the chunk tree's
-leaves: small where attention concentrates, large in attention deserts), and below it one row
-per layer group whose chunks are coloured by where and how they are stored.
+For each document: a top panel with the leaf size along the sequence (the saved chunk tree's
+leaves: small where attention concentrates, large in attention deserts; the stored chunks when
+no tree was saved), and below it one row per layer group whose stored chunks (records) are
+coloured by where and how they are stored.
 """
 from __future__ import annotations
 
@@ -46,19 +47,27 @@ def plot_store(docs, path: Path, title: str) -> None:
 
 
 def _chunk_sizes(ax, doc) -> None:
-    """Chunk length (tokens) along the sequence, one step line per layer group."""
+    """Leaf length (tokens) along the sequence, one step line per layer group (record lengths
+    where no tree was saved)."""
     import matplotlib.pyplot as plt
 
     cmap = plt.get_cmap("viridis", max(len(doc.chunks), 2))
+    sizes = []
     for group, chunks in sorted(doc.chunks.items()):
-        if chunks:
+        bounds = doc.leaves.get(group)
+        if bounds and len(bounds) > 1:
+            xs, ys = bounds, [b - a for a, b in zip(bounds, bounds[1:])]
+        elif chunks:
             xs = [s for s, _, _ in chunks] + [chunks[-1][1]]
             ys = [e - s if st != "missing" else float("nan") for s, e, st in chunks]
-            ax.stairs(ys, xs, color=cmap(group), linewidth=1.5, alpha=0.7, baseline=None)
-    sizes = [e - s for c in doc.chunks.values() for s, e, st in c if st != "missing"] or [1]
+        else:
+            continue
+        ax.stairs(ys, xs, color=cmap(group), linewidth=1.5, alpha=0.7, baseline=None)
+        sizes += [y for y in ys if y == y]
+    sizes = sizes or [1]
     ax.set_yscale("log", base=2)
     ax.set_ylim(min(sizes) / 2, max(sizes) * 2)
-    ax.set_ylabel("chunk size\n(tokens)", fontsize=9)
+    ax.set_ylabel("leaf size\n(tokens)", fontsize=9)
     ax.set_title(_doc_title(doc), fontsize=10, loc="left")
     ax.tick_params(labelbottom=False, labelsize=8)
     ax.grid(axis="y", alpha=0.3)

@@ -68,8 +68,10 @@ def run_rows(f: dict) -> list[tuple[str, str]]:
 def kv_rows(cache) -> list[tuple[str, str]]:
     """Rows about where the KV is (``cache.stats()``) and the fetch pipeline (``cache.metrics``)."""
     stats = cache.stats()
-    rows = [(f"KV on {tier}", f"{human_bytes(stats.get(f'{tier}_bytes', 0))} "
-                              f"({stats.get(f'{tier}_records', 0)} records)") for tier in TIERS]
+    select = cache.select
+    rows = [("selection", f"{cache.policy.name}, budget {select.budget}, {select.fetch_unit} units")]
+    rows += [(f"KV on {tier}", f"{human_bytes(stats.get(f'{tier}_bytes', 0))} "
+                               f"({stats.get(f'{tier}_records', 0)} records)") for tier in TIERS]
     rows.append(("device peak", human_bytes(stats["device_peak_bytes"])))
     total = cache.metrics.summary()["total"]
     rows.append(("stall fraction", f"{total['stall_frac']:.3f}"))

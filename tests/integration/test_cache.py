@@ -393,3 +393,17 @@ def test_a_device_budget_too_small_says_what_it_must_hold(model_and_tok):
                                                 r"raise the device budget"):
             with torch.no_grad():
                 model(ids, past_key_values=cache, use_cache=True)
+
+
+def test_continuing_without_the_cached_ids_is_named(model_and_tok):
+    """generate feeds the model only the ids past what the cache holds: given only new ids,
+    nothing would reach it; the error says what to pass."""
+    model, tok = model_and_tok
+    ids = tok("A short text. " * 20, return_tensors="pt")["input_ids"]
+    more = tok(" And more.", return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with TieredCache(model, TierConfig(device_budget="8MB", host_budget="64MB"), "full") as cache:
+        generate(model, ids, cache, new=2)
+        with pytest.raises(ValueError, match="pass cache.token_ids followed by the new tokens"):
+            generate(model, more, cache, new=2)
+        again = generate(model, torch.cat([cache.token_ids, more], dim=1), cache, new=2)
+    assert again.numel() == 2

@@ -61,6 +61,7 @@ def test_generate_streams_answer_and_reports(saved):
     work, fact, run = saved
     assert run.stdout.startswith(fact.answer_prefix)
     assert fact.answer in run.stdout
+    assert "selection" in run.stderr and "tierkv, budget 0.1, record units" in run.stderr
     for row in ("prefill", "decode", "KV on device", "KV on host", "KV on disk",
                 "disk read / token", "stall fraction"):
         assert row in run.stderr, f"{row!r} missing from the report:\n{run.stderr}"
@@ -84,6 +85,7 @@ def test_inspect_and_plot(saved):
     assert "saved document: model smollm2-135m" in run.stdout
     assert "records read back and verified" in run.stdout
     assert "layer groups" in run.stdout
+    assert "; tree: " in run.stdout and "leaves of" in run.stdout  # the saved chunk tree
     assert (work / "tree.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

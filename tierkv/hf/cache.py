@@ -363,6 +363,10 @@ class TieredCache(Cache):
 
     def _record_ids(self, module, args) -> None:
         ids = args[0]
+        if ids.dim() == 2 and ids.shape[1] == 0 and self.get_seq_length() > 0:
+            raise ValueError(f"no new tokens reach the model: the cache holds "
+                             f"{self.get_seq_length()} tokens and generate feeds only the ids past "
+                             "them; pass cache.token_ids followed by the new tokens")
         if ids.dim() == 2 and ids.shape[0] == 1:
             self.token_ids = torch.cat([self.token_ids, ids.detach().cpu().long()], dim=1)
 
