@@ -407,3 +407,18 @@ def test_continuing_without_the_cached_ids_is_named(model_and_tok):
             generate(model, more, cache, new=2)
         again = generate(model, torch.cat([cache.token_ids, more], dim=1), cache, new=2)
     assert again.numel() == 2
+
+
+def test_one_live_cache_per_model(model_and_tok):
+    """A second TieredCache on a model a live one serves is refused (it would take over the
+    model's attention, and closing either would hand it back under the other); once the first
+    is closed, a new one is fine."""
+    model, _ = model_and_tok
+    config = TierConfig(device_budget="8MB", host_budget="8MB")
+    first = TieredCache(model, config, "full")
+    with pytest.raises(ValueError, match="already serves a live TieredCache"):
+        TieredCache(model, config, "full")
+    first.close()
+    with TieredCache(model, config, "full") as second:
+        assert model.config._attn_implementation == second._attn_name
+    assert model.config._attn_implementation == "sdpa"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -86,6 +87,11 @@ class TieredCache(Cache):
                  doc: str | None = None, profile: dict | None = None, prefill_block: int = 512,
                  _resume: bool = False):
         _check_args(model, config, select, chunks, prefill_block, doc)
+        live = getattr(model, "_tierkv_cache", lambda: None)()
+        if live is not None and live._model is not None:
+            raise ValueError(f"the model already serves a live TieredCache (document "
+                             f"{live.doc!r}): close() it first, or load a second model; two "
+                             "caches cannot share one model's attention")
         config = _on_model_device(config or TierConfig(), model)
         self.shape = KVShape.from_config(model.config, dtype=model.dtype)
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.shape.layers)])
@@ -360,6 +366,7 @@ class TieredCache(Cache):
         self._previous_attn = model.config._attn_implementation
         model.set_attn_implementation(self._attn_name)
         self._ids_hook = model.get_input_embeddings().register_forward_pre_hook(self._record_ids)
+        model._tierkv_cache = weakref.ref(self)
 
     def _record_ids(self, module, args) -> None:
         ids = args[0]
@@ -396,6 +403,7 @@ class TieredCache(Cache):
         self._model.set_attn_implementation(self._previous_attn)
         AttentionInterface._global_mapping.pop(self._attn_name, None)
         self._ids_hook.remove()
+        self._model._tierkv_cache = lambda: None
         self._model = None
         self.reader.shutdown(wait=True, cancel_futures=True)
         self.prefill_blocks = self.prefill_ahead = None
