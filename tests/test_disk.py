@@ -339,3 +339,31 @@ def test_a_cut_tail_is_kept_unless_it_is_a_torn_append(tmp_path, make_block, blo
     with DiskTier(torn) as tier:
         assert tier.keys() == [a] and tier.open_report["truncated"] and not tier.open_report["kept"]
     assert not list(torn.glob("*.cut-*"))
+
+
+def test_read_only_open_changes_nothing(tmp_path, make_block, blocks_equal):
+    """``read_only=True`` (tierkv inspect): a torn tail is reported, not cut; a damaged manifest
+    is reported, not set aside; no lock file appears; the records read back; writes raise."""
+    from tierkv.storage import StorageError
+
+    a, b = _key("a"), _key("b")
+    with DiskTier(tmp_path, codec=CodecConfig("raw")) as tier:
+        tier.put(a, make_block(a))
+        tier.put(b, make_block(b))
+    seg = tmp_path / "seg-000001.tkv"
+    os.truncate(seg, seg.stat().st_size - 100)  # b torn
+    (tmp_path / MANIFEST).write_bytes(b"not a manifest")
+    (tmp_path / "tierkv.lock").unlink()
+    before = _snapshot(tmp_path)
+    with DiskTier(tmp_path, read_only=True) as tier:
+        report = tier.open_report
+        assert report["truncated"] and "left in place (read-only)" in report["manifest"]
+        assert tier.keys() == [a] and blocks_equal(tier.get(a), make_block(a))
+        for write in (lambda: tier.put(b, make_block(b)), lambda: tier.remove(a), tier.flush,
+                      lambda: tier.delete_doc("a")):
+            with pytest.raises(StorageError, match="read-only"):
+                write()
+    assert _snapshot(tmp_path) == before
+    with pytest.raises(FileNotFoundError):
+        DiskTier(tmp_path / "absent", read_only=True)
+    assert not (tmp_path / "absent").exists()

@@ -54,7 +54,7 @@ def run_inspect(args) -> int:
     check_store_dir(args.dir, "inspect", segments_enough=True)
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise ValueError(f"--plot {args.plot}: expected a .png file name")
-    with DiskTier(args.dir) as disk:
+    with DiskTier(args.dir, read_only=True) as disk:
         health = disk.check()
         docs = survey(disk, health)
         report = disk.open_report

@@ -188,6 +188,7 @@ def test_a_directory_without_manifest(case, monkeypatch, capsys, tmp_path):
     assert status == 2 and "has segment files but no manifest.safetensors" in last_line(err)
     assert main(["inspect", str(tmp_path / "run")]) == 0
     assert "all 1 records read back and verified" in capsys.readouterr().out
+    assert not (tmp_path / "run" / "manifest.safetensors").exists()  # inspect only looks
 
 
 def test_debug_raises(case, monkeypatch):

@@ -38,6 +38,9 @@ class DiskTier(Tier):
     segment_size : bytes after which a new segment file is started (int or "256MiB").
     io_threads : threads reading records in ``read_raw_many``.
     budget : bytes of live records allowed (None: unbounded).
+    read_only : look without changing anything: the directory must exist; a tail past the last
+        valid record is reported, not cut; a damaged manifest is reported, not set aside; no
+        lock file is created; writes raise StorageError (``tierkv inspect``).
 
     ``open_report`` says what opening found: records, segments, bytes dropped and why. Opening
     reads only the record headers when the manifest lists exactly the records they describe
@@ -48,7 +51,8 @@ class DiskTier(Tier):
     name = "disk"
 
     def __init__(self, path, *, codec: CodecConfig = CodecConfig(),
-                 segment_size: int | str = "256MiB", io_threads: int = 4, budget=None):
+                 segment_size: int | str = "256MiB", io_threads: int = 4, budget=None,
+                 read_only: bool = False):
         super().__init__(None if budget is None else parse_size(budget, "budget"))
         if not isinstance(path, (str, Path)) or str(path) == "":
             raise ValueError(f"path={path!r}: expected a directory path")
@@ -64,7 +68,7 @@ class DiskTier(Tier):
         self.codec_config = codec
         self._decoders: dict[int, Codec] = {}
         self.bytes_read = 0
-        self._files = SegmentDir(self.path, size)
+        self._files = SegmentDir(self.path, size, read_only=read_only)
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tierkv-disk")
         self._io_threads = io_threads
         self._meta = DocMeta(self._files)
@@ -301,7 +305,7 @@ class DiskTier(Tier):
     def _close(self) -> None:
         try:
             with self._files.lock.exclusive():
-                if self._changed():
+                if self._changed() and not self._files.read_only:
                     self._files.sync()
                     self._meta.save()
         finally:

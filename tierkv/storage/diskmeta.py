@@ -67,13 +67,16 @@ class DocMeta:
         whether the manifest's index lists exactly the records the directory's index holds.
         """
         self.vouches = False
-        try:
-            os.unlink(MANIFEST_TMP, dir_fd=self._files.dir_fd)
-        except FileNotFoundError:
-            pass
+        if not self._files.read_only:
+            try:
+                os.unlink(MANIFEST_TMP, dir_fd=self._files.dir_fd)
+            except FileNotFoundError:
+                pass
         try:
             manifest = self._read()
         except CorruptManifestError as exc:
+            if self._files.read_only:
+                return f"corrupt: {exc}; left in place (read-only), records are intact"
             return f"corrupt: {exc}; moved aside to {self._set_aside()}, records are intact"
         if manifest is None:
             return "missing"

@@ -24,11 +24,16 @@ class DirLock:
     ----------
     dir_fd : int
         An open descriptor of the directory (the lock file is created relative to it).
+    create : create the lock file when it is missing; when False and it is missing, the lock
+        holds nothing across processes (a read-only look at a directory no process uses).
     """
 
-    def __init__(self, dir_fd: int):
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        self._fd = os.open(LOCK_NAME, flags, 0o644, dir_fd=dir_fd)
+    def __init__(self, dir_fd: int, create: bool = True):
+        try:
+            self._fd = os.open(LOCK_NAME, (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY)
+                               | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+        except FileNotFoundError:
+            self._fd = None
         self._mutex = threading.RLock()
         self._depth = 0
         self._mode = None
@@ -50,7 +55,8 @@ class DirLock:
         with self._mutex:
             outer = self._depth == 0
             if outer:
-                fcntl.flock(self._fd, mode)
+                if self._fd is not None:
+                    fcntl.flock(self._fd, mode)
                 self._mode = mode
             elif mode == fcntl.LOCK_EX and self._mode != fcntl.LOCK_EX:
                 raise RuntimeError("cannot upgrade a shared directory lock to exclusive")
@@ -61,8 +67,10 @@ class DirLock:
                 self._depth -= 1
                 if outer:
                     self._mode = None
-                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+                    if self._fd is not None:
+                        fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
         with self._mutex:
-            os.close(self._fd)
+            if self._fd is not None:
+                os.close(self._fd)

@@ -12,7 +12,7 @@ import os
 import stat
 from pathlib import Path
 
-from .base import CorruptRecordError
+from .base import CorruptRecordError, StorageError
 from .diskindex import DiskIndex, SegmentInfo
 from .locking import DirLock
 from .manifest import DiskWriteError
@@ -32,11 +32,14 @@ class SegmentDir:
     record, copied first to ``<segment>.cut-N``, per file) describe what scanning found.
     """
 
-    def __init__(self, path: Path, segment_size: int):
-        self.path = path
-        path.mkdir(parents=True, exist_ok=True)
+    def __init__(self, path: Path, segment_size: int, read_only: bool = False):
+        self.path, self.read_only = path, read_only
+        if not read_only:
+            path.mkdir(parents=True, exist_ok=True)
+        elif not path.is_dir():
+            raise FileNotFoundError(f"{path}: no such directory")
         self.dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        self.lock = DirLock(self.dir_fd)
+        self.lock = DirLock(self.dir_fd, create=not read_only)
         self.segment_size = segment_size
         self.index = DiskIndex()
         self.foreign: dict[str, str] = {}
@@ -144,6 +147,9 @@ class SegmentDir:
         explains) may be someone's data: it is copied to ``<segment>.cut-N`` first.
         """
         name = segment_name(number)
+        if self.read_only:  # reported, left as it is
+            self.truncated[name] = self.truncated.get(name, 0) + size - valid_end
+            return
         if not self._torn(number, valid_end, size):
             self.kept[name] = self._copy_aside(number, valid_end, size)
         fd = os.open(name, _WO, dir_fd=self.dir_fd)
@@ -200,6 +206,10 @@ class SegmentDir:
         os.fsync(self.dir_fd)
         return name
 
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise StorageError(f"{self.path} is open read-only")
+
     def open_read(self, number: int) -> int:
         """A read-only descriptor of segment ``number`` (FileNotFoundError once it is deleted)."""
         return os.open(segment_name(number), _RO, dir_fd=self.dir_fd)
@@ -211,6 +221,7 @@ class SegmentDir:
         Returns (segment, Scanned, keys no longer live, key now live). On a write error the
         partial record is cut off again and DiskWriteError raised; nothing else changes.
         """
+        self._check_writable()
         with self.lock.exclusive():
             self.refresh()
             parts = make_record(self.index.max_seq + 1)
@@ -253,6 +264,7 @@ class SegmentDir:
 
     def sync(self) -> None:
         """fsync the active segment and the directory (DiskWriteError on failure)."""
+        self._check_writable()
         with self.lock.exclusive():
             try:
                 if self._writer is not None:
@@ -269,6 +281,7 @@ class SegmentDir:
         crash at any point leaves every live record in at least one segment.
         Returns (segments deleted, segments compacted).
         """
+        self._check_writable()
         deleted = compacted = 0
         with self.lock.exclusive():
             self.refresh()
