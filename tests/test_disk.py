@@ -270,8 +270,8 @@ def _snapshot(path):
 
 def test_a_newer_format_is_refused_and_left_as_it_is(tmp_path, make_block, monkeypatch):
     """Records or a manifest a newer tierkv wrote: opening refuses with NewerFormatError and
-    changes nothing (no tail cut, no manifest set aside), while a damaged version field (its
-    record's crc fails) is only damage: skipped, kept aside."""
+    changes nothing (no tail cut, no manifest set aside), torn tail or not; an impossible older
+    version is only damage: cut, kept aside."""
     import tierkv.storage.manifest as manifest
     import tierkv.storage.segment as segment
     from tierkv.storage.base import NewerFormatError
@@ -297,13 +297,47 @@ def test_a_newer_format_is_refused_and_left_as_it_is(tmp_path, make_block, monke
         DiskTier(tmp_path / "m")
     assert _snapshot(tmp_path / "m") == before
 
+    torn = tmp_path / "torn-newer"  # a torn tail is not cut before the manifest refuses
+    with DiskTier(torn, codec=CodecConfig("raw")) as tier:
+        tier.put(_key(), make_block(_key()))
+    monkeypatch.setattr(manifest, "VERSION", "2")
+    with DiskTier(torn) as tier:
+        tier.put(_key("b"), make_block(_key("b")))
+    monkeypatch.undo()
+    seg = sorted(torn.glob("seg-*.tkv"))[-1]
+    os.truncate(seg, seg.stat().st_size - 50)
+    before = _snapshot(torn)
+    with pytest.raises(NewerFormatError, match="manifest version 2"):
+        DiskTier(torn)
+    assert _snapshot(torn) == before
+
+    tail = tmp_path / "newer-tail"  # newer records appended after ours: never cut
+    with DiskTier(tail, codec=CodecConfig("raw")) as tier:
+        tier.put(_key(), make_block(_key()))
+    monkeypatch.setattr(segment, "VERSION", segment.VERSION + 1)
+    with DiskTier(tail, codec=CodecConfig("raw")) as tier:
+        tier.put(_key("b"), make_block(_key("b")))
+    monkeypatch.undo()
+    os.unlink(tail / MANIFEST)
+    seg = tail / "seg-000001.tkv"
+    os.truncate(seg, seg.stat().st_size - 50)  # the newer record, torn
+    before = _snapshot(tail)
+    with pytest.raises(NewerFormatError, match="format version 2"):
+        DiskTier(tail)
+    assert _snapshot(tail) == before
+
     damaged = tmp_path / "damaged"
     with DiskTier(damaged, codec=CodecConfig("raw")) as tier:
         tier.put(_key(), make_block(_key()))
     os.unlink(damaged / MANIFEST)
     seg = damaged / "seg-000001.tkv"
     data = bytearray(seg.read_bytes())
-    data[4] += 1  # the version field, little-endian u16 after the magic
+    data[4] += 1  # the version field, little-endian u16 after the magic: a newer one at the tail
+    seg.write_bytes(bytes(data))
+    with pytest.raises(NewerFormatError):  # newer or damaged, it is not this build's to cut
+        DiskTier(damaged)
+    assert seg.read_bytes() == bytes(data)
+    data[4] = 0  # an older, impossible version: damage, kept aside
     seg.write_bytes(bytes(data))
     with DiskTier(damaged) as tier:
         assert len(tier) == 0 and tier.open_report["kept"] == {"seg-000001.tkv": "seg-000001.tkv.cut-1"}
@@ -364,6 +398,16 @@ def test_read_only_open_changes_nothing(tmp_path, make_block, blocks_equal):
             with pytest.raises(StorageError, match="read-only"):
                 write()
     assert _snapshot(tmp_path) == before
+    torn_bytes = report["truncated"]["seg-000001.tkv"]
+    assert 0 < torn_bytes < make_block(b).nbytes + HEADER.size
+    with DiskTier(tmp_path, read_only=True) as tier:  # the tail's bytes, counted once
+        assert tier.open_report["truncated"] == {"seg-000001.tkv": torn_bytes}
+        tier.refresh()
+        tier.refresh()
+        assert tier.open_report["truncated"]["seg-000001.tkv"] == torn_bytes
+        assert tier._files.truncated["seg-000001.tkv"] == torn_bytes
+        with pytest.raises(StorageError, match="read-only"):
+            tier.set_doc_meta("a", {}, {})
     with pytest.raises(FileNotFoundError):
         DiskTier(tmp_path / "absent", read_only=True)
     assert not (tmp_path / "absent").exists()

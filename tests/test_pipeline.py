@@ -455,14 +455,3 @@ def test_device_cache_always_admits_by_default():
         assert cache.admit(key, _blk(key, 100), 1.0)
     assert cache.reuse == 0.0 and cache.skipped == 0
 
-
-def test_host_runs_are_the_copies_a_cuda_assembly_makes():
-    """On CUDA only host parts are copied up, one copy per run of adjacent host parts (parts
-    already on the device and the spare tokens are not sent over PCIe)."""
-    from tierkv.pipeline.transfer import _runs
-
-    offsets = [0, 4, 6, 10, 11, 15]
-    assert _runs([True, True, False, True, True], offsets) == [(0, 6), (10, 15)]
-    assert _runs([False, True, False, True, False], offsets) == [(4, 6), (10, 11)]
-    assert _runs([False] * 5, offsets) == []
-    assert _runs([True] * 5, offsets) == [(0, 15)]

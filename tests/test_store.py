@@ -216,3 +216,8 @@ def test_non_finite_blocks_never_block_a_spill(tmp_path, make_block, blocks_equa
         assert torch.isnan(back.keys[0, 0, 0, 0]) and torch.equal(back.values, nan.values)
         store.put(_key(2), make_block(_key(2)), importance=9.0)  # a finite one: int8
         assert store.disk.codec_of(_key(1)) == "int8"
+    with _store(tmp_path / "fixed", host=BLOCK,
+                codec=CodecConfig("int8", allow_lossy=True)) as store:  # lossy by default
+        store.put(_key(0), nan, importance=0.0)
+        store.put(_key(1), make_block(_key(1)), importance=5.0)
+        assert store.disk.codec_of(_key(0)) == "zstd" and torch.isnan(store.get(_key(0)).keys).any()

@@ -352,10 +352,13 @@ def test_a_new_cache_never_writes_over_a_saved_document(model_and_tok, tmp_path)
     config = TierConfig(**small, disk_dir=tmp_path / "saved")
     with pytest.raises(ValueError, match="already holds document 'doc0'.*TieredCache.open"):
         TieredCache(model, config, "full", doc="doc0")
-    with TieredCache(model, config, "full") as cache, torch.no_grad():
+    on_disk = TierConfig(device_budget="8MB", host_budget=0, disk_dir=tmp_path / "saved")
+    with TieredCache(model, on_disk, "full") as cache, torch.no_grad():
         assert cache.doc != "doc0"
-        model(other, past_key_values=cache, use_cache=True)
-        cache.store.disk.flush()
+        model(other, past_key_values=cache, use_cache=True)  # its records all go to disk
+        unsaved = cache.doc
+    with pytest.raises(ValueError, match=f"records of document '{unsaved}', never saved"):
+        TieredCache(model, config, "full", doc=unsaved)
     with TieredCache.open(model, tmp_path / "saved", doc="doc0") as reopened:
         assert torch.equal(reopened.token_ids, ids)
         assert reopened.get_seq_length() == ids.shape[1]

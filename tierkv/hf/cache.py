@@ -90,8 +90,9 @@ class TieredCache(Cache):
         live = getattr(model, "_tierkv_cache", lambda: None)()
         if live is not None and live._model is not None:
             raise ValueError(f"the model already serves a live TieredCache (document "
-                             f"{live.doc!r}): close() it first, or load a second model; two "
-                             "caches cannot share one model's attention")
+                             f"{live.doc!r}): close() it first (a cache stays live until closed, "
+                             "referenced or not), or load a second model; two caches cannot "
+                             "share one model's attention")
         config = _on_model_device(config or TierConfig(), model)
         self.shape = KVShape.from_config(model.config, dtype=model.dtype)
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.shape.layers)])
@@ -109,9 +110,14 @@ class TieredCache(Cache):
         self.store = KVStore(self.shape, config, controller)
         held = set() if self.store.disk is None else set(self.store.disk.docs())
         if doc is not None and doc in held and not _resume:
+            saved = doc in self.store.disk.saved_docs()
             self.store.close()
-            raise ValueError(f"{config.disk_dir} already holds document {doc!r}: reopen it with "
-                             f"TieredCache.open(model, dir, doc={doc!r}), or pass another doc=")
+            if saved:
+                raise ValueError(f"{config.disk_dir} already holds document {doc!r}: reopen it "
+                                 f"with TieredCache.open(model, dir, doc={doc!r}), or pass another doc=")
+            raise ValueError(f"{config.disk_dir} holds records of document {doc!r}, never saved (a "
+                             "run that did not save, or crashed): pass another doc=, or remove "
+                             "them first (KVStore.delete_doc)")
         self.doc = doc or next(d for d in (f"doc{i}" for i in _ids) if d not in held)
         self.indexes = [GroupIndex(self.doc, g, self.shape.kv_heads, self.shape.head_dim, self.chunks)
                         for g in range(len(self.groups))]

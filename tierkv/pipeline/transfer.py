@@ -1,10 +1,11 @@
 """The last stage: one layer group's records, concatenated on the device.
 
 On CUDA the host-resident parts are packed into a pinned staging buffer, copied up on a side
-stream (one copy per run of host parts between parts already on the device), and an event is
-recorded per group; the consumer's stream waits on that event only, and no thread waits for the
-copy: the staging buffer comes from PyTorch's pinned-memory allocator, which records the copy
-and reuses the buffer only once the copy has run. Without CUDA it is a plain ``torch.cat``.
+stream in one contiguous transfer (the slots of parts already on the device are overwritten by
+them after it, in stream order), and an event is recorded per group; the consumer's stream waits
+on that event only, and no thread waits for the copy: the staging buffer comes from PyTorch's
+pinned-memory allocator, which records the copy and reuses the buffer only once the copy has
+run. Without CUDA it is a plain ``torch.cat``.
 """
 from __future__ import annotations
 
@@ -92,8 +93,9 @@ class Transfer:
                 packed = torch.empty(shape, dtype=dtype, pin_memory=True)
                 for i in (i for i, host in enumerate(on_host) if host):
                     _place(packed, parts[i], offsets[i], offsets[i + 1])
-                for start, end in _runs(on_host, offsets):  # host parts only, not the spare
-                    out[:, :, :, start:end].copy_(packed[:, :, :, start:end], non_blocking=True)
+                # One contiguous DMA: a copy of token-axis slices would be strided, and CUDA
+                # stages strided host copies through pageable temporaries.
+                out.copy_(packed, non_blocking=True)
             for i, part in enumerate(parts):
                 if not on_host[i]:
                     _place(out, part, offsets[i], offsets[i + 1])
@@ -111,19 +113,6 @@ def _packed(parts: list[KVBlock], spare: int, device: torch.device) -> KVBlock:
     room = torch.empty((layers, heads, spare, dim), dtype=parts[0].keys.dtype, device=device)
     return KVBlock(torch.cat([p.keys for p in parts] + [room], dim=2),
                    torch.cat([p.values for p in parts] + [room], dim=2))
-
-
-def _runs(flags: list[bool], offsets: list[int]) -> list[tuple[int, int]]:
-    """Token ranges ``[start, end)`` of the maximal runs of consecutive parts whose flag is set."""
-    runs: list[tuple[int, int]] = []
-    for i, flag in enumerate(flags):
-        if not flag:
-            continue
-        if runs and runs[-1][1] == offsets[i]:
-            runs[-1] = (runs[-1][0], offsets[i + 1])
-        else:
-            runs.append((offsets[i], offsets[i + 1]))
-    return runs
 
 
 def _offsets(parts: list[KVBlock]) -> list[int]:

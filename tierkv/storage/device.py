@@ -35,10 +35,14 @@ class DeviceTier(MemoryTier):
         return nbytes
 
     def _load(self, key):
+        block = super()._load(key)
         event = self._ready.get(key)
         if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
-        return super()._load(key)
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(event)
+            for tensor in block:  # not reused by the allocator before this stream's reads
+                tensor.record_stream(stream)
+        return block
 
     def _drop(self, key):
         self._ready.pop(key, None)

@@ -22,6 +22,7 @@ from .base import CorruptRecordError, KVBlock, RecordKey, Tier, TierFullError
 from .codec import Codec, codec_by_id, codec_name_by_id, decode_block, encode_block, make_codec
 from .diskmeta import DocMeta
 from .diskread import RawRecord, read_batch
+from .manifest import read_manifest
 from .segfiles import SegmentDir
 from .segment import HEADER, KIND_DATA, KIND_DOC_TOMBSTONE, KIND_KEY_TOMBSTONE, pack_record, \
     segment_name
@@ -78,6 +79,10 @@ class DiskTier(Tier):
 
     def _open(self) -> dict:
         with self._files.lock.exclusive():
+            try:  # a newer manifest refuses the directory before anything is repaired
+                read_manifest(self._files.dir_fd)
+            except CorruptRecordError:
+                pass  # damage: DocMeta.load reports it and sets it aside
             self._files.refresh(headers_only=True)
             manifest = self._meta.load()
             if self._files.unverified and not self._meta.vouches:
@@ -261,9 +266,15 @@ class DiskTier(Tier):
         with self._lock:
             return sorted({k.doc for k in self._sizes} | set(self._meta.docs()))
 
+    def saved_docs(self) -> list[str]:
+        """Documents with saved metadata (``set_doc_meta``), sorted."""
+        with self._lock:
+            return sorted(self._meta.docs())
+
     def set_doc_meta(self, doc: str, meta: dict, arrays: dict[str, torch.Tensor]) -> None:
         """Attach JSON ``meta`` and named tensors to ``doc`` (saved by ``flush``)."""
         RecordKey(doc, 0, 0, 1)
+        self._files._check_writable()
         with self._lock:
             self._meta.set(doc, meta, arrays)
 

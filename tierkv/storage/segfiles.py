@@ -12,13 +12,14 @@ import os
 import stat
 from pathlib import Path
 
-from .base import CorruptRecordError, StorageError
+from .base import CorruptRecordError, NewerFormatError, StorageError
 from .diskindex import DiskIndex, SegmentInfo
 from .locking import DirLock
 from .manifest import DiskWriteError
-from .segment import HEADER, MAGIC, SEGMENT_RE, Scanned, check_crc, parse_header, \
+from .segment import HEADER, MAGIC, SEGMENT_RE, VERSION, Scanned, check_crc, parse_header, \
     scan_headers, scan_segment, segment_name
 
+ZERO_TAIL_MAX = 1 << 20  # a longer tail of zeros is kept aside all the same, not judged torn
 _RO = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _WO = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -147,8 +148,10 @@ class SegmentDir:
         explains) may be someone's data: it is copied to ``<segment>.cut-N`` first.
         """
         name = segment_name(number)
-        if self.read_only:  # reported, left as it is
-            self.truncated[name] = self.truncated.get(name, 0) + size - valid_end
+        self._refuse_newer(number, valid_end)
+        if self.read_only:  # reported, left as it is (and not scanned again while unchanged)
+            self.truncated[name] = size - valid_end
+            self.index.segments[number].size = size
             return
         if not self._torn(number, valid_end, size):
             self.kept[name] = self._copy_aside(number, valid_end, size)
@@ -159,14 +162,31 @@ class SegmentDir:
             os.close(fd)
         self.truncated[name] = self.truncated.get(name, 0) + size - valid_end
 
+    def _refuse_newer(self, number: int, offset: int) -> None:
+        """NewerFormatError when the bytes at ``offset`` start a record of a newer format
+        version (this build cannot tell a valid one from damage: it leaves them alone)."""
+        fd = self.open_read(number)
+        try:
+            head = os.pread(fd, len(MAGIC) + 2, offset)
+        finally:
+            os.close(fd)
+        if len(head) == len(MAGIC) + 2 and head.startswith(MAGIC):
+            version = int.from_bytes(head[len(MAGIC):], "little")
+            if version > VERSION:
+                raise NewerFormatError(f"{segment_name(number)}: a record of format version "
+                                       f"{version} at offset {offset}; this tierkv reads version "
+                                       f"{VERSION}; open the directory with the tierkv that wrote it")
+
     def _torn(self, number: int, offset: int, size: int) -> bool:
-        """Whether the bytes from ``offset`` to ``size`` are the start of one record cut short."""
+        """Whether the bytes from ``offset`` to ``size`` are the start of one record cut short,
+        or zeros (space the file system allocated, never written)."""
         fd = self.open_read(number)
         try:
             head = os.pread(fd, HEADER.size, offset)
+            tail = os.pread(fd, min(size - offset, ZERO_TAIL_MAX), offset)
         finally:
             os.close(fd)
-        if not head.strip(b"\0"):  # space the file system allocated, never written
+        if size - offset <= ZERO_TAIL_MAX and not tail.strip(b"\0"):
             return True
         if len(head) < HEADER.size:
             lead = head[:len(MAGIC)]

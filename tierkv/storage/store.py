@@ -207,11 +207,10 @@ class KVStore:
         """The codec to write ``key``'s ``block`` to disk with (module docstring); None: the disk
         tier's default. Writers outside the store (``TieredCache.save``) ask it too."""
         codec = self._codecs.get(key)
-        if codec is not None or self.controller is None or self.config.codec.codec != "auto":
-            return codec
-        cold = self._ranks.is_cold(key, self.config.codec.cold_fraction)
-        codec = self.controller.choose_for(block, cold)
-        if codec in LOSSY_CODECS and not _finite(block):
+        if codec is None and self.controller is not None and self.config.codec.codec == "auto":
+            cold = self._ranks.is_cold(key, self.config.codec.cold_fraction)
+            codec = self.controller.choose_for(block, cold)
+        if (codec or self.config.codec.codec) in LOSSY_CODECS and not _finite(block):
             return "zstd"  # a lossy codec cannot store NaN or inf; losslessly, then
         return codec
 
