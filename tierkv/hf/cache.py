@@ -468,4 +468,3 @@ def _check_args(model, config, select, chunks, prefill_block, doc) -> None:
         raise ValueError(f"prefill_block={prefill_block!r}: must be a positive integer")
     if doc is not None:
         RecordKey(doc, 0, 0, 1)  # a ValueError naming it when records could not carry it
-

@@ -33,6 +33,11 @@ class NewerFormatError(StorageError):
     """A record or manifest written by a newer tierkv: this build will not read, repair or
     rewrite it (so the directory stays as the newer build left it)."""
 
+    @classmethod
+    def of(cls, what: str, version, reads) -> "NewerFormatError":
+        return cls(f"{what} version {version}: this tierkv reads version {reads}; open the "
+                   "directory with the tierkv that wrote it")
+
 
 @dataclass(frozen=True, order=True)
 class RecordKey:

@@ -22,7 +22,7 @@ from .base import CorruptRecordError, KVBlock, RecordKey, Tier, TierFullError
 from .codec import Codec, codec_by_id, codec_name_by_id, decode_block, encode_block, make_codec
 from .diskmeta import DocMeta
 from .diskread import RawRecord, read_batch
-from .manifest import read_manifest
+from .manifest import refuse_newer_manifest
 from .segfiles import SegmentDir
 from .segment import HEADER, KIND_DATA, KIND_DOC_TOMBSTONE, KIND_KEY_TOMBSTONE, pack_record, \
     segment_name
@@ -80,9 +80,9 @@ class DiskTier(Tier):
     def _open(self) -> dict:
         with self._files.lock.exclusive():
             try:  # a newer manifest refuses the directory before anything is repaired
-                read_manifest(self._files.dir_fd)
+                refuse_newer_manifest(self._files.dir_fd)
             except CorruptRecordError:
-                pass  # damage: DocMeta.load reports it and sets it aside
+                pass  # a symlink: DocMeta.load reports it and sets it aside
             self._files.refresh(headers_only=True)
             manifest = self._meta.load()
             if self._files.unverified and not self._meta.vouches:

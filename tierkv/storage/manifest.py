@@ -79,9 +79,7 @@ def decode_manifest(data: bytes):
         raise CorruptManifestError(f"manifest is not valid safetensors: {exc}") from None
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise CorruptManifestError("manifest format tag missing: not a tierkv manifest")
-    if str(info.get("version")).isdigit() and int(info["version"]) > int(VERSION):
-        raise NewerFormatError(f"manifest version {info['version']}: this tierkv reads version "
-                               f"{VERSION}; open the directory with the tierkv that wrote it")
+    _refuse_newer(info)
     if info.get("version") != VERSION:
         raise CorruptManifestError(f"manifest version {info.get('version')!r}: expected {VERSION}")
     if info.get("crc") != str(_crc(info, tensors)):
@@ -134,10 +132,16 @@ def check_index(index: dict[str, list[int]], docs: list[str]) -> None:
                                        f"codec {index['codec'][row]} is out of range")
 
 
-def read_manifest(dir_fd: int):
-    """The decoded manifest of a directory, or None when there is none."""
+def _refuse_newer(info) -> None:
+    if isinstance(info, dict) and str(info.get("version")).isdigit() \
+            and int(info["version"]) > int(VERSION):
+        raise NewerFormatError.of("manifest", info["version"], VERSION)
+
+
+def _open_manifest(dir_fd: int) -> int | None:
+    """A read descriptor of the directory's manifest, or None when there is none."""
     try:
-        fd = os.open(MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        return os.open(MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -145,6 +149,31 @@ def read_manifest(dir_fd: int):
             raise CorruptManifestError("manifest is a symlink: refused") from None
         # Not damage (permissions, I/O): never set aside and replaced for that.
         raise StorageError(f"manifest cannot be opened: {exc}") from None
+
+
+def refuse_newer_manifest(dir_fd: int) -> None:
+    """NewerFormatError when the directory's manifest is of a newer version, from its header
+    alone (an opening checks this before any repair; damage is ``read_manifest``'s to report)."""
+    fd = _open_manifest(dir_fd)
+    if fd is None:
+        return
+    try:
+        length = struct.unpack("<Q", os.pread(fd, 8, 0).ljust(8, b"\0"))[0]
+        head = os.pread(fd, length, 8) if 0 < length <= MAX_MANIFEST else b""
+    finally:
+        os.close(fd)
+    try:
+        info = json.loads(head).get("__metadata__")
+    except (ValueError, AttributeError):
+        return
+    _refuse_newer(info)
+
+
+def read_manifest(dir_fd: int):
+    """The decoded manifest of a directory, or None when there is none."""
+    fd = _open_manifest(dir_fd)
+    if fd is None:
+        return None
     try:
         size = os.fstat(fd).st_size
         if size > MAX_MANIFEST:

@@ -16,8 +16,8 @@ from .base import CorruptRecordError, NewerFormatError, StorageError
 from .diskindex import DiskIndex, SegmentInfo
 from .locking import DirLock
 from .manifest import DiskWriteError
-from .segment import HEADER, MAGIC, SEGMENT_RE, VERSION, Scanned, check_crc, parse_header, \
-    scan_headers, scan_segment, segment_name
+from .segment import HEADER, MAGIC, SEGMENT_RE, VERSION, Scanned, check_crc, newer_version, \
+    parse_header, scan_headers, scan_segment, segment_name
 
 ZERO_TAIL_MAX = 1 << 20  # a longer tail of zeros is kept aside all the same, not judged torn
 _RO = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -167,25 +167,22 @@ class SegmentDir:
         version (this build cannot tell a valid one from damage: it leaves them alone)."""
         fd = self.open_read(number)
         try:
-            head = os.pread(fd, len(MAGIC) + 2, offset)
+            version = newer_version(os.pread(fd, len(MAGIC) + 2, offset))
         finally:
             os.close(fd)
-        if len(head) == len(MAGIC) + 2 and head.startswith(MAGIC):
-            version = int.from_bytes(head[len(MAGIC):], "little")
-            if version > VERSION:
-                raise NewerFormatError(f"{segment_name(number)}: a record of format version "
-                                       f"{version} at offset {offset}; this tierkv reads version "
-                                       f"{VERSION}; open the directory with the tierkv that wrote it")
+        if version is not None:
+            raise NewerFormatError.of(f"{segment_name(number)} at offset {offset}: record format",
+                                      version, VERSION)
 
     def _torn(self, number: int, offset: int, size: int) -> bool:
         """Whether the bytes from ``offset`` to ``size`` are the start of one record cut short,
         or zeros (space the file system allocated, never written)."""
         fd = self.open_read(number)
         try:
-            head = os.pread(fd, HEADER.size, offset)
             tail = os.pread(fd, min(size - offset, ZERO_TAIL_MAX), offset)
         finally:
             os.close(fd)
+        head = tail[:HEADER.size]
         if size - offset <= ZERO_TAIL_MAX and not tail.strip(b"\0"):
             return True
         if len(head) < HEADER.size:

@@ -218,19 +218,28 @@ def _read_valid(fd: int, offset: int, end: int) -> RecordHeader:
     return header
 
 
+def newer_version(head: bytes) -> int | None:
+    """The format version of the record ``head`` starts when it is newer than this build's
+    (the magic, then a little-endian u16), else None."""
+    if len(head) < len(MAGIC) + 2 or not head.startswith(MAGIC):
+        return None
+    version = int.from_bytes(head[len(MAGIC):len(MAGIC) + 2], "little")
+    return version if version > VERSION else None
+
+
 def _raise_if_newer(fd: int, head: bytes, offset: int, end: int) -> None:
     """NewerFormatError when ``head`` starts an intact record of a newer format version: its
     crc32, which covers the version field, holds (a damaged version field breaks it)."""
-    if len(head) < HEADER.size:
+    version = newer_version(head)
+    if version is None or len(head) < HEADER.size:
         return
     fields = HEADER.unpack_from(head)
-    magic, version, stored_len, crc = fields[0], fields[1], fields[13], fields[-1]
-    if magic != MAGIC or version <= VERSION or offset + HEADER.size + stored_len > end:
+    stored_len, crc = fields[13], fields[-1]
+    if offset + HEADER.size + stored_len > end:
         return
     record = os.pread(fd, HEADER.size + stored_len, offset)
     if zlib.crc32(record[:HEADER.size - 4], zlib.crc32(record[HEADER.size:])) == crc:
-        raise NewerFormatError(f"record format version {version}: this tierkv reads version "
-                               f"{VERSION}; open the directory with the tierkv that wrote it")
+        raise NewerFormatError.of("record format", version, VERSION)
 
 
 def _next_valid(fd: int, offset: int, end: int) -> int | None:
