@@ -1,4 +1,6 @@
 """The adaptive chunk tree (tierkv.tree): tiling, merge / split, payload records."""
+import copy
+
 import pytest
 import torch
 
@@ -65,8 +67,7 @@ def evaluate(tree, keys, gen, select, hot):
     mask[chosen] = True
     scores = adaptation_scores(scores, select)
     changes = tree.update(tree.mass_per_leaf(scores), mask, scores)
-    for request in changes.splits:
-        tree.split(request, keys[:, request.start:request.end])
+    tree.split_many(changes.splits, [keys[:, r.start:r.end] for r in changes.splits])
     return changes
 
 
@@ -95,6 +96,44 @@ def test_random_operations_keep_tiling_summaries_and_payloads(seed):
             merges, splits = merges + len(changes.merged), splits + len(changes.splits)
         check(tree, store, keys, every_leaf=step % 8 == 7)
     assert merges > 0 and splits > 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_split_many_is_the_splits_one_by_one(seed):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(KV, 256, DIM, generator=gen)
+    tree = ChunkTree(SMALL, KV, DIM)
+    for start in range(0, 256, 16):
+        tree.append_keys(keys[:, start:start + 16], start)
+    tree.update(torch.rand(tree.num_leaves, generator=gen),
+                torch.rand(tree.num_leaves, generator=gen) < 0.5)  # ema, counts and cold differ
+    leaves = torch.randperm(tree.num_leaves, generator=gen)[:7].tolist()  # in no order
+    requests = [SplitRequest(16 * i, 16 * i + 16, 16 * i + int(torch.randint(4, 13, (1,), generator=gen)),
+                             float(torch.rand(1, generator=gen))) for i in leaves]
+    one_by_one = copy.deepcopy(tree)
+    for r in requests:
+        one_by_one.split(r, keys[:, r.start:r.end])
+    tree.split_many(requests, [keys[:, r.start:r.end] for r in requests])
+    tree.validate()
+    for name in ("bounds", "kmin", "kmax", "ema", "selected_count", "cold"):
+        assert torch.equal(getattr(tree, name), getattr(one_by_one, name)), name
+
+
+def test_split_many_checks_its_requests():
+    keys = torch.randn(KV, 32, DIM)
+    tree = ChunkTree(SMALL, KV, DIM)
+    tree.append_keys(keys[:, :16], "a")
+    tree.append_keys(keys[:, 16:], "b")
+    request = SplitRequest(0, 16, 8, 0.5)
+    with pytest.raises(ValueError, match="same leaf"):
+        tree.split_many([request, request], [keys[:, :16]] * 2)
+    with pytest.raises(ValueError, match="2 split requests with 1 key"):
+        tree.split_many([request, SplitRequest(16, 32, 20, 0.5)], [keys[:, :16]])
+    with pytest.raises(ValueError, match="does not match"):
+        tree.split_many([SplitRequest(0, 8, 4, 0.5)], [keys[:, :8]])
+    assert tree.bounds.tolist() == [0, 16, 32]  # nothing changed by a refused call
+    tree.split_many([], [])
+    assert tree.bounds.tolist() == [0, 16, 32]
 
 
 def test_split_then_merge_restores_parent_summary():

@@ -270,6 +270,48 @@ class ChunkTree:
 
         keys : Tensor, shape (kv_heads, end - start, head_dim), the leaf's keys.
         """
+        self.split_many([request], [keys])
+
+    def split_many(self, requests: list[SplitRequest], keys: list[torch.Tensor]) -> None:
+        """``split`` every request (distinct current leaves, in any order) in one rebuild of
+        the leaf arrays: a step's splits cost one copy of them, not one each.
+
+        keys : one Tensor per request, shape (kv_heads, end - start, head_dim).
+        """
+        if len(requests) != len(keys):
+            raise ValueError(f"{len(requests)} split requests with {len(keys)} key tensors")
+        if not requests:
+            return
+        leaves = [self._split_leaf(r, k) for r, k in zip(requests, keys)]
+        if len(set(leaves)) != len(leaves):
+            raise ValueError("split requests name the same leaf more than once")
+        idx = torch.tensor(leaves)
+        halves = [summarize(k[:, :r.cut - r.start]) + summarize(k[:, r.cut - r.start:])
+                  for r, k in zip(requests, keys)]
+        lo_a, hi_a, lo_b, hi_b = (torch.stack(t) for t in zip(*halves))
+        repeat = torch.ones(self.num_leaves, dtype=torch.long)
+        repeat[idx] = 2
+        source = torch.repeat_interleave(torch.arange(self.num_leaves), repeat)  # new -> old leaf
+        first = (repeat.cumsum(0) - repeat)[idx]  # new index of each split leaf's first half
+        second = first + 1
+        share = torch.tensor([r.first_share for r in requests])
+        starts = self.bounds[:-1][source]
+        starts[second] = torch.tensor([r.cut for r in requests])
+        self.bounds = torch.cat([starts, self.bounds[-1:]])
+        self.kmin, self.kmax = self.kmin[source], self.kmax[source]
+        self.kmin[first], self.kmax[first] = lo_a, hi_a
+        self.kmin[second], self.kmax[second] = lo_b, hi_b
+        ema = self.ema[idx]
+        self.ema = self.ema[source]
+        self.ema[first], self.ema[second] = ema * share, ema * (1 - share)
+        self.selected_count = self.selected_count[source]  # both halves keep the count
+        self.cold = self.cold[source]
+        self.cold[first] = 0
+        self.cold[second] = 0
+        self._levels = None
+
+    def _split_leaf(self, request: SplitRequest, keys: torch.Tensor) -> int:
+        """The index of the leaf ``request`` splits, after checking it and its keys."""
         i = self.leaf_at(request.start)
         start, end = int(self.bounds[i]), int(self.bounds[i + 1])
         if (start, end) != (request.start, request.end) or not start < request.cut < end:
@@ -277,18 +319,7 @@ class ChunkTree:
         if keys.shape != (self.kv_heads, end - start, self.head_dim):
             raise ValueError(f"keys {tuple(keys.shape)}: expected "
                              f"({self.kv_heads}, {end - start}, {self.head_dim})")
-        lo_a, hi_a = summarize(keys[:, : request.cut - start])
-        lo_b, hi_b = summarize(keys[:, request.cut - start:])
-        share = torch.tensor([request.first_share, 1 - request.first_share])
-        self.bounds = torch.cat([self.bounds[: i + 1], self.bounds.new_tensor([request.cut]),
-                                 self.bounds[i + 1:]])
-        self.kmin = torch.cat([self.kmin[:i], torch.stack([lo_a, lo_b]), self.kmin[i + 1:]])
-        self.kmax = torch.cat([self.kmax[:i], torch.stack([hi_a, hi_b]), self.kmax[i + 1:]])
-        self.ema = torch.cat([self.ema[:i], self.ema[i] * share, self.ema[i + 1:]])
-        count = self.selected_count[i: i + 1]
-        self.selected_count = torch.cat([self.selected_count[:i], count, self.selected_count[i:]])
-        self.cold = torch.cat([self.cold[:i], self.cold.new_zeros(2), self.cold[i + 1:]])
-        self._levels = None
+        return i
 
     def leaf_at(self, token: int) -> int:
         """Index of the leaf holding ``token``."""

@@ -159,10 +159,9 @@ class GroupIndex:
         selected = torch.zeros(len(self), dtype=torch.bool)
         selected[chosen] = True
         changes = self.tree.update(self.tree.mass_per_leaf(scores), selected, scores, max_leaf)
-        for request in changes.splits:
-            keys = keys_of(request.start, request.end)
-            if keys is not None:
-                self.tree.split(request, keys)
+        found = [(r, keys_of(r.start, r.end)) for r in changes.splits]
+        found = [(r, keys) for r, keys in found if keys is not None]
+        self.tree.split_many([r for r, _ in found], [keys for _, keys in found])
 
     def rewrite(self, store) -> int:
         """Rewrite records to match the leaves (after merges/splits); returns records written."""

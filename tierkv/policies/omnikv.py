@@ -36,7 +36,8 @@ FILTER_RECORD_TOKENS = 32
 # at 1.5x, 0.953 / 34.2 at 2x, 0.953 / 35.3 with no limit (whole records: 0.922 / 12.2).
 LEAF_MOVE_FACTOR = 1.5
 # Adaptive trees fold a filter layer's scores in every this many decode steps: the tree follows
-# where attention settles over steps, and one step of it costs about a millisecond per group.
+# where attention settles over steps. On SmolLM2 at 8K (3 selecting groups of 600-800 leaves,
+# ~80 splits per fold), a fold costs ~18 ms, 4.6 ms a step (splits applied one by one: 10.4).
 ADAPT_EVERY = 4
 
 
