@@ -6,7 +6,7 @@ import torch
 
 from tierkv.config import ChunkConfig, SelectConfig
 from tierkv.select import adaptation_scores, select_by_scores
-from tierkv.summary import summarize_segments
+from tierkv.summary import summarize, summarize_segments
 from tierkv.tree import ChunkTree, RecordRef, SplitRequest
 
 SMALL = ChunkConfig(min=4, base=8, max=32, desert_threshold=0.3, merge_after=2,
@@ -98,6 +98,22 @@ def test_random_operations_keep_tiling_summaries_and_payloads(seed):
     assert merges > 0 and splits > 0
 
 
+def reference_split(tree, request, keys):
+    """One split the plain way (each array rebuilt around the leaf): what split_many must do."""
+    i = int(torch.searchsorted(tree.bounds, request.start, right=True)) - 1
+    cut = request.cut - request.start
+    lo_a, hi_a = summarize(keys[:, :cut])
+    lo_b, hi_b = summarize(keys[:, cut:])
+    share = torch.tensor([request.first_share, 1 - request.first_share])
+    tree.bounds = torch.cat([tree.bounds[:i + 1], torch.tensor([request.cut]), tree.bounds[i + 1:]])
+    tree.kmin = torch.cat([tree.kmin[:i], torch.stack([lo_a, lo_b]), tree.kmin[i + 1:]])
+    tree.kmax = torch.cat([tree.kmax[:i], torch.stack([hi_a, hi_b]), tree.kmax[i + 1:]])
+    tree.ema = torch.cat([tree.ema[:i], tree.ema[i] * share, tree.ema[i + 1:]])
+    count = tree.selected_count[i:i + 1]
+    tree.selected_count = torch.cat([tree.selected_count[:i], count, tree.selected_count[i:]])
+    tree.cold = torch.cat([tree.cold[:i], tree.cold.new_zeros(2), tree.cold[i + 1:]])
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_split_many_is_the_splits_one_by_one(seed):
     gen = torch.Generator().manual_seed(seed)
@@ -105,33 +121,41 @@ def test_split_many_is_the_splits_one_by_one(seed):
     tree = ChunkTree(SMALL, KV, DIM)
     for start in range(0, 256, 16):
         tree.append_keys(keys[:, start:start + 16], start)
-    tree.update(torch.rand(tree.num_leaves, generator=gen),
-                torch.rand(tree.num_leaves, generator=gen) < 0.5)  # ema, counts and cold differ
+    m = tree.num_leaves  # statistics that differ from leaf to leaf
+    tree.ema = torch.rand(m, generator=gen)
+    tree.selected_count = torch.randint(0, 9, (m,), generator=gen)
+    tree.cold = torch.randint(1, 3, (m,), generator=gen)
     leaves = torch.randperm(tree.num_leaves, generator=gen)[:7].tolist()  # in no order
-    requests = [SplitRequest(16 * i, 16 * i + 16, 16 * i + int(torch.randint(4, 13, (1,), generator=gen)),
-                             float(torch.rand(1, generator=gen))) for i in leaves]
-    one_by_one = copy.deepcopy(tree)
+    cuts = torch.randint(4, 13, (7,), generator=gen).tolist()
+    requests = [SplitRequest(16 * i, 16 * i + 16, 16 * i + c, float(torch.rand(1, generator=gen)))
+                for i, c in zip(leaves, cuts)]
+    expected = copy.deepcopy(tree)
     for r in requests:
-        one_by_one.split(r, keys[:, r.start:r.end])
+        reference_split(expected, r, keys[:, r.start:r.end])
     tree.split_many(requests, [keys[:, r.start:r.end] for r in requests])
     tree.validate()
     for name in ("bounds", "kmin", "kmax", "ema", "selected_count", "cold"):
-        assert torch.equal(getattr(tree, name), getattr(one_by_one, name)), name
+        assert torch.equal(getattr(tree, name), getattr(expected, name)), name
 
 
-def test_split_many_checks_its_requests():
+def test_split_many_refuses_a_bad_request_and_changes_nothing():
     keys = torch.randn(KV, 32, DIM)
     tree = ChunkTree(SMALL, KV, DIM)
     tree.append_keys(keys[:, :16], "a")
     tree.append_keys(keys[:, 16:], "b")
-    request = SplitRequest(0, 16, 8, 0.5)
-    with pytest.raises(ValueError, match="same leaf"):
-        tree.split_many([request, request], [keys[:, :16]] * 2)
-    with pytest.raises(ValueError, match="2 split requests with 1 key"):
-        tree.split_many([request, SplitRequest(16, 32, 20, 0.5)], [keys[:, :16]])
-    with pytest.raises(ValueError, match="does not match"):
-        tree.split_many([SplitRequest(0, 8, 4, 0.5)], [keys[:, :8]])
-    assert tree.bounds.tolist() == [0, 16, 32]  # nothing changed by a refused call
+    before = copy.deepcopy(tree)
+    good = SplitRequest(0, 16, 8, 0.5)
+    refused = [([good, good], [keys[:, :16]] * 2, "leaf 0 more than once"),
+               ([good, SplitRequest(16, 32, 20, 0.5)], [keys[:, :16]], "2 split requests with 1 key"),
+               ([good, SplitRequest(0, 8, 4, 0.5)], [keys[:, :16], keys[:, :8]], "does not match"),
+               ([good, SplitRequest(16, 32, 16, 0.5)], [keys[:, :16], keys[:, 16:]], "does not match"),
+               ([good, SplitRequest(16, 32, 32, 0.5)], [keys[:, :16], keys[:, 16:]], "does not match"),
+               ([good, SplitRequest(16, 32, 20, 0.5)], [keys[:, :16], keys[:, 16:24]], "keys")]
+    for requests, tensors, message in refused:
+        with pytest.raises(ValueError, match=message):
+            tree.split_many(requests, tensors)
+        for name in ("bounds", "kmin", "kmax", "ema", "selected_count", "cold"):
+            assert torch.equal(getattr(tree, name), getattr(before, name)), (message, name)
     tree.split_many([], [])
     assert tree.bounds.tolist() == [0, 16, 32]
 

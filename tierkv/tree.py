@@ -273,10 +273,11 @@ class ChunkTree:
         self.split_many([request], [keys])
 
     def split_many(self, requests: list[SplitRequest], keys: list[torch.Tensor]) -> None:
-        """``split`` every request (distinct current leaves, in any order) in one rebuild of
-        the leaf arrays: a step's splits cost one copy of them, not one each.
+        """``split`` every request in one rebuild of the leaf arrays: a fold's splits cost one
+        copy of them, not one each. Nothing changes when any request is refused.
 
-        keys : one Tensor per request, shape (kv_heads, end - start, head_dim).
+        requests : SplitRequest per leaf to split, distinct current leaves, in any order.
+        keys : one Tensor per request, shape (kv_heads, end - start, head_dim), its leaf's keys.
         """
         if len(requests) != len(keys):
             raise ValueError(f"{len(requests)} split requests with {len(keys)} key tensors")
@@ -284,30 +285,29 @@ class ChunkTree:
             return
         leaves = [self._split_leaf(r, k) for r, k in zip(requests, keys)]
         if len(set(leaves)) != len(leaves):
-            raise ValueError("split requests name the same leaf more than once")
+            twice = next(i for i in leaves if leaves.count(i) > 1)
+            raise ValueError(f"split requests name leaf {twice} more than once")
         idx = torch.tensor(leaves)
+        # (kmin, kmax) of the first half, then of the second, per request
         halves = [summarize(k[:, :r.cut - r.start]) + summarize(k[:, r.cut - r.start:])
                   for r, k in zip(requests, keys)]
         lo_a, hi_a, lo_b, hi_b = (torch.stack(t) for t in zip(*halves))
+        share = torch.tensor([[r.first_share, 1 - r.first_share] for r in requests])
         repeat = torch.ones(self.num_leaves, dtype=torch.long)
         repeat[idx] = 2
         source = torch.repeat_interleave(torch.arange(self.num_leaves), repeat)  # new -> old leaf
         first = (repeat.cumsum(0) - repeat)[idx]  # new index of each split leaf's first half
         second = first + 1
-        share = torch.tensor([r.first_share for r in requests])
         starts = self.bounds[:-1][source]
         starts[second] = torch.tensor([r.cut for r in requests])
+        kmin, kmax, ema = self.kmin[source], self.kmax[source], self.ema[source]
+        kmin[first], kmax[first], kmin[second], kmax[second] = lo_a, hi_a, lo_b, hi_b
+        ema[first], ema[second] = self.ema[idx] * share[:, 0], self.ema[idx] * share[:, 1]
+        cold = self.cold[source]
+        cold[first] = cold[second] = 0
         self.bounds = torch.cat([starts, self.bounds[-1:]])
-        self.kmin, self.kmax = self.kmin[source], self.kmax[source]
-        self.kmin[first], self.kmax[first] = lo_a, hi_a
-        self.kmin[second], self.kmax[second] = lo_b, hi_b
-        ema = self.ema[idx]
-        self.ema = self.ema[source]
-        self.ema[first], self.ema[second] = ema * share, ema * (1 - share)
+        self.kmin, self.kmax, self.ema, self.cold = kmin, kmax, ema, cold
         self.selected_count = self.selected_count[source]  # both halves keep the count
-        self.cold = self.cold[source]
-        self.cold[first] = 0
-        self.cold[second] = 0
         self._levels = None
 
     def _split_leaf(self, request: SplitRequest, keys: torch.Tensor) -> int:
