@@ -199,3 +199,18 @@ def test_leaf_fill_keeps_the_records_it_moves_within_the_move_factor():
     assert leaves.tolist() == [0, 1, 2, 3, 4]
     spec = index.fetch(leaves)
     assert spec.tokens == 24 and spec.positions.tolist() == list(range(20))
+
+
+@pytest.mark.parametrize("budget, candidates", [(0.05, 409), (0.25, 4 * (260 - 32))])
+def test_preselection_scores_at_least_its_floor_of_the_context(budget, candidates):
+    """A filter layer's LKA preselection keeps PRESELECT_FACTOR x the budget, and never less
+    than PRESELECT_FLOOR (0.4) of the sealed context."""
+    index, _ = index_over(1024, 8)
+    cache = SimpleNamespace(store=SimpleNamespace(device=SimpleNamespace(budget=4096)),
+                            group_bytes=lambda layer: 1 << 20, index_of=lambda layer: index,
+                            get_seq_length=lambda: 1040)
+    policy = make_policy("tierkv", 6, SelectConfig(budget=budget, filter_layers=(1,)), CHUNKS, {})
+    q = torch.randn(2 * KV, 1, DIM, generator=torch.Generator().manual_seed(0))
+    leaves = policy.preselect(cache, 1, q)
+    tokens = int(index.tree.sizes[leaves].sum())
+    assert candidates - CHUNKS.base < tokens <= candidates

@@ -2,11 +2,18 @@
 
 When a filter layer's own KV does not fit in the device tier's free budget, its chunks are first
 preselected by their LKA upper bounds, and exact attention runs over the candidates only.
+
+The candidates are ``PRESELECT_FACTOR`` x the token budget, and at least ``PRESELECT_FLOOR`` of
+the context: the bounds rank loosely, and what the filter layer does not score, no following
+layer attends. Measured with ``bench.quality``'s contexts (2K/4K/8K, 64 teacher-forced tokens
+each): at a 5 % budget, candidates of 4x (20 % of the context) gave top-1 agreement 0.719 and
+8x (40 %) 0.745 (``omnikv``, scoring all of it: 0.771); at 10 %, 4x and 8x both gave 0.859.
 """
 from .base import register
 from .omnikv import OmniKV
 
 PRESELECT_FACTOR = 4
+PRESELECT_FLOOR = 0.4
 
 
 @register
@@ -24,5 +31,5 @@ class TierKV(OmniKV):
         if not self.preselects(cache, layer):
             return None
         index = cache.index_of(layer)
-        budget = PRESELECT_FACTOR * self.budget(cache)
+        budget = max(PRESELECT_FACTOR * self.budget(cache), int(PRESELECT_FLOOR * index.sealed))
         return index.top_chunks(index.bound_scores(q[:, 0].cpu()), budget, self.select.sinks)
