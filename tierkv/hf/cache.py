@@ -444,15 +444,18 @@ def _on_model_device(config: TierConfig, model) -> TierConfig:
         raise ValueError(f"the model is on {here}: TieredCache runs models on 'cpu' or 'cuda'")
     if config.device == "auto":
         return dataclasses.replace(config, device=str(here))
-    wanted = config.torch_device
-    if wanted.type == "cuda" and wanted.index is None:
-        wanted = torch.device("cuda", torch.cuda.current_device())
-    if here.type == "cuda" and here.index is None:
-        here = torch.device("cuda", torch.cuda.current_device())
+    wanted, here = _indexed(config.torch_device), _indexed(here)
     if wanted != here:
         raise ValueError(f"TierConfig(device={config.device!r}): the model is on {here}; the "
                          f"device tier must be where the model computes (device='auto' follows it)")
     return config
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: a bare "cuda" is the current CUDA device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _check_args(model, config, select, chunks, prefill_block, doc) -> None:

@@ -149,10 +149,7 @@ class Pipeline:
             handle.abort(error)
         self._pool.shutdown(wait=False, cancel_futures=True)
         with self._idle:
-            finished = self._idle.wait_for(lambda: self._busy == 0, timeout)
-        if finished:
-            self.transfer.close()
-        return finished
+            return self._idle.wait_for(lambda: self._busy == 0, timeout)
 
     def __enter__(self):
         return self

@@ -74,9 +74,6 @@ class Transfer:
             tensor.record_stream(stream)
         return delivery.block
 
-    def close(self) -> None:
-        """Nothing is held between assemblies (kept for the pipeline's shutdown order)."""
-
     def _assemble_cuda(self, parts: list[KVBlock], after, then, spare: int) -> Delivery:
         layers, heads, _, dim = parts[0].keys.shape
         dtype = parts[0].keys.dtype

@@ -31,10 +31,11 @@ class Razor(Policy):
         full = torch.zeros(kv_heads, dtype=torch.bool)
         full[self.retrieval.get(layer, [])] = True
         kept = (positions < self.select.sinks) | (positions >= n - self.select.window)
-        count = int((~kept).sum())
+        dropped = ~kept
+        count = int(dropped.sum())
         if count == 0 or bool(full.all()):
             return super().attend(cache, layer, q, k, v, positions, scaling)
-        dropped = on_device((~kept).float(), k)
+        dropped = on_device(dropped.float(), k)
         comp_k = (dropped @ k.float()) / count  # (kv, d): mean over dropped tokens per head
         comp_v = (dropped @ v.float()) / count
         k2 = torch.cat([k, comp_k.to(k.dtype).unsqueeze(1)], dim=1)

@@ -142,12 +142,17 @@ def _check_fields(h: RecordHeader) -> None:
         raise CorruptRecordError(f"tombstone of {key} carries a payload")
 
 
+def _record_crc(view: memoryview) -> int:
+    """The crc32 a record's header stores: over the header before it, then the payload."""
+    return zlib.crc32(view[:HEADER.size - 4], zlib.crc32(view[HEADER.size:]))
+
+
 def check_crc(header: RecordHeader, record) -> None:
     """Raise CorruptRecordError unless ``record`` (header + payload bytes) matches its crc32."""
     view = memoryview(record)
     if len(view) != header.length:
         raise CorruptRecordError(f"record truncated: {len(view)} of {header.length} bytes")
-    crc = zlib.crc32(view[:HEADER.size - 4], zlib.crc32(view[HEADER.size:]))
+    crc = _record_crc(view)
     if crc != header.crc:
         raise CorruptRecordError(f"record crc32 mismatch ({crc:#010x} != {header.crc:#010x})")
 
@@ -238,7 +243,7 @@ def _raise_if_newer(fd: int, head: bytes, offset: int, end: int) -> None:
     if offset + HEADER.size + stored_len > end:
         return
     record = os.pread(fd, HEADER.size + stored_len, offset)
-    if zlib.crc32(record[:HEADER.size - 4], zlib.crc32(record[HEADER.size:])) == crc:
+    if _record_crc(memoryview(record)) == crc:
         raise NewerFormatError.of("record format", version, VERSION)
 
 

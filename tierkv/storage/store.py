@@ -207,7 +207,9 @@ class KVStore:
         """The codec to write ``key``'s ``block`` to disk with (module docstring); None: the disk
         tier's default. Writers outside the store (``TieredCache.save``) ask it too."""
         codec = self._codecs.get(key)
-        if codec is None and self.controller is not None and self.config.codec.codec == "auto":
+        if codec is not None:
+            return codec  # put with it: a lossy one was refused then for NaN or inf
+        if self.controller is not None and self.config.codec.codec == "auto":
             cold = self._ranks.is_cold(key, self.config.codec.cold_fraction)
             codec = self.controller.choose_for(block, cold)
         if (codec or self.config.codec.codec) in LOSSY_CODECS and not _finite(block):
