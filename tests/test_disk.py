@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tierkv.config import CodecConfig
-from tierkv.storage import CorruptRecordError, DiskTier, RecordKey, TierFullError
+from tierkv.storage import CorruptRecordError, DiskTier, DocInUseError, RecordKey, StorageError, \
+    TierFullError
 from tierkv.storage.manifest import MANIFEST, encode_manifest
 from tierkv.storage.segment import HEADER
 
@@ -128,6 +129,39 @@ def test_delete_doc_reclaims_and_compacts(tmp_path, make_block, blocks_equal):
         tier.put(drop[0], make_block(drop[0]))  # the name can be used again
     with DiskTier(tmp_path) as tier:
         assert sorted(tier.keys()) == sorted(keep + drop[:1])
+
+
+def test_a_document_is_held_by_one_tier_at_a_time(tmp_path, make_block):
+    """Two tiers on one directory (as two processes would be): a document one holds, the other
+    can neither hold nor delete, until it is released or its tier closes; the lock file goes
+    with the claim, and the error names the holder."""
+    key = _key("shared")
+    with DiskTier(tmp_path) as a, DiskTier(tmp_path) as b:
+        a.hold_doc("shared")
+        a.put(key, make_block(key))
+        assert (tmp_path / "tierkv.doc-shared.lock").read_text() == f"{os.getpid()}\n"
+        with pytest.raises(DocInUseError, match=f"'shared' is in use by a live cache of process "
+                                                f"{os.getpid()} \\(this one\\)") as info:
+            b.hold_doc("shared")
+        assert info.value.doc == "shared" and info.value.holder == os.getpid()
+        with pytest.raises(DocInUseError):
+            a.hold_doc("shared")  # twice by one tier: a claim is one cache's
+        with pytest.raises(DocInUseError):
+            b.delete_doc("shared")
+        b.refresh()
+        assert key in b  # the refused delete changed nothing
+        b.hold_doc("other")
+        a.release_doc("shared")
+        assert not (tmp_path / "tierkv.doc-shared.lock").exists()
+        b.hold_doc("shared")
+        b.delete_doc("shared")  # its own claim does not stand in the way
+        a.refresh()
+        assert key not in a
+    assert sorted(p.name for p in tmp_path.glob("tierkv.doc-*")) == []  # closing released all
+    with DiskTier(tmp_path) as c:
+        c.hold_doc("other")
+    with DiskTier(tmp_path, read_only=True) as ro, pytest.raises(StorageError, match="read-only"):
+        ro.hold_doc("x")
 
 
 def test_read_raw_many_then_decode(tmp_path, make_block, blocks_equal):

@@ -20,7 +20,8 @@ from conftest import block_for, same
 
 from tierkv.config import CodecConfig, TierConfig
 from tierkv.shapes import KVShape
-from tierkv.storage import CorruptRecordError, DiskTier, KVStore, RecordKey, StorageError
+from tierkv.storage import CorruptRecordError, DiskTier, DocInUseError, KVStore, RecordKey, \
+    StorageError
 from tierkv.storage.segment import HEADER, scan_segment
 
 KEYS = [RecordKey("doc", i % 3, 64 * i, 64 * i + 24 + 3 * i) for i in range(12)]
@@ -233,8 +234,8 @@ def test_sigkilled_writer_loses_no_acknowledged_record(tmp_path):
             if "main" in tier.docs() and tier.doc_meta("main")[0]:
                 meta, arrays = tier.doc_meta("main")
                 assert arrays["x"].tolist() == [meta["n"]]
-        names = os.listdir(tmp_path)
-        assert all(re.fullmatch(r"seg-\d{6}\.tkv|manifest\.safetensors|tierkv\.lock", n)
+        names = os.listdir(tmp_path)  # a writer killed in delete_doc leaves its doc's lock file
+        assert all(re.fullmatch(r"seg-\d{6}\.tkv|manifest\.safetensors|tierkv(\.doc-.+)?\.lock", n)
                    for n in names), names
     print(f"\nkill test: 50 kills, {len(acked)} acknowledged puts, {checked} record reads, "
           f"{wrong} wrong tensors")
@@ -372,6 +373,34 @@ def test_two_processes_share_a_directory(tmp_path):
         assert sum(k.doc in ("p0", "p1") for k in present) == 300
     print(f"\n2 processes: {len(present)} records, {mismatches} mismatches")
     assert mismatches == 0
+
+
+def _holder(path, doc: str, ready) -> None:
+    tier = DiskTier(path)
+    tier.hold_doc(doc)
+    ready.set()
+    signal.pause()  # until killed, still holding it
+
+
+def test_a_document_held_by_another_process_is_refused_until_it_dies(tmp_path):
+    """A process holding a document keeps every other from it, and the error names that
+    process; killed (no release, its lock file left behind), it holds nothing."""
+    ready = FORK.Event()
+    child = FORK.Process(target=_holder, args=(tmp_path, "doc0", ready))
+    child.start()
+    try:
+        assert ready.wait(60)
+        with DiskTier(tmp_path) as tier:
+            with pytest.raises(DocInUseError, match=f"process {child.pid}") as info:
+                tier.hold_doc("doc0")
+            assert info.value.holder == child.pid
+            os.kill(child.pid, signal.SIGKILL)
+            child.join(60)
+            assert (tmp_path / "tierkv.doc-doc0.lock").exists()
+            tier.hold_doc("doc0")
+    finally:
+        if child.is_alive():
+            child.kill()
 
 
 def test_partial_write_is_cut_back(tmp_path, monkeypatch):

@@ -4,10 +4,11 @@ from .hf.cache import TieredCache
 from .hf.model import load_model
 from .shapes import KVShape
 from .storage.base import CorruptRecordError, KVBlock, RecordKey, StorageError, TierFullError
+from .storage.locking import DocInUseError
 from .storage.store import KVStore
 
 __all__ = [
-    "ChunkConfig", "CodecConfig", "CorruptRecordError", "KVBlock", "KVShape", "KVStore",
+    "ChunkConfig", "CodecConfig", "CorruptRecordError", "DocInUseError", "KVBlock", "KVShape", "KVStore",
     "RecordKey", "SelectConfig", "StorageError", "TierConfig", "TierFullError", "TieredCache",
     "load_model", "parse_size",
 ]

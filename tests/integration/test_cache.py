@@ -1,6 +1,7 @@
 """TieredCache on the real model: exactness of the lossless path, budgets, retrieval, multi-turn."""
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -8,7 +9,10 @@ import torch
 
 from transformers import DynamicCache
 
-from tierkv import SelectConfig, TierConfig, TieredCache
+from tierkv import DocInUseError, RecordKey, SelectConfig, TierConfig, TieredCache
+from tierkv.hf import cache as cache_module
+from tierkv.hf.model import load_model
+from tierkv.storage import DiskTier
 from tierkv.textgen import city_fact, make_document, passkey_fact, question_turn
 
 pytestmark = pytest.mark.integration
@@ -367,6 +371,48 @@ def test_a_new_cache_never_writes_over_a_saved_document(model_and_tok, tmp_path)
     with torch.no_grad():
         plain = model(torch.cat([ids, ids[:, -1:]], dim=1)).logits
     assert torch.allclose(logits[0, -1], plain[0, -1], atol=LOGIT_ATOL)
+
+
+def test_new_documents_of_two_processes_get_distinct_names(tmp_path, make_block, monkeypatch):
+    """Two processes' caches on one directory count docN from doc0 alike (``_ids``): a name
+    another live cache holds is skipped, and so is one it wrote and let go of since this
+    process read the directory; naming a held document is refused."""
+    with DiskTier(tmp_path) as mine, DiskTier(tmp_path) as theirs:
+        monkeypatch.setattr(cache_module, "_ids", itertools.count())
+        assert cache_module._claim(theirs, None, False) == "doc0"
+        monkeypatch.setattr(cache_module, "_ids", itertools.count())
+        assert cache_module._claim(mine, None, False) == "doc1"
+        with pytest.raises(DocInUseError, match="'doc0' is in use"):
+            cache_module._claim(mine, "doc0", True)
+        key = RecordKey("doc2", 0, 0, 8)
+        with DiskTier(tmp_path) as third:  # writes doc2 and closes, unseen by ``mine``
+            third.hold_doc("doc2")
+            third.put(key, make_block(key))
+        assert "doc2" not in mine.docs()
+        monkeypatch.setattr(cache_module, "_ids", itertools.count())
+        assert cache_module._claim(mine, None, False) == "doc3"
+
+
+def test_a_saved_document_serves_one_live_cache_at_a_time(model_and_tok, tmp_path):
+    """Reopening a document another live cache has open (here through a second model, as
+    another process would) is refused before anything is written; once it closes, it opens."""
+    model, tok = model_and_tok
+    ids = tok("A short text. " * 40, return_tensors="pt")["input_ids"]
+    with TieredCache(model, TierConfig(device_budget="8MB", host_budget="64MB"), "full") as cache, \
+            torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        cache.save(tmp_path)
+        doc = cache.doc
+    other, _ = load_model("smollm2-135m")
+    first = TieredCache.open(model, tmp_path, doc=doc)
+    try:
+        with pytest.raises(DocInUseError, match=f"'{doc}' is in use by a live cache of process"):
+            TieredCache.open(other, tmp_path, doc=doc)
+        assert other.config._attn_implementation == "sdpa"  # the refused cache left no trace
+    finally:
+        first.close()
+    with TieredCache.open(other, tmp_path, doc=doc) as second:
+        assert torch.equal(second.token_ids, ids)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -29,6 +29,7 @@ from ..pipeline import CompressionController, FetchPlan, Metrics, Pipeline
 from ..policies import Policy, make_policy
 from ..shapes import KVShape
 from ..storage.base import KVBlock, RecordKey, TierFullError
+from ..storage.locking import DocInUseError
 from ..storage.probe import read_bandwidth
 from ..storage.store import KVStore
 from .groups import Fetch, GroupIndex
@@ -108,17 +109,11 @@ class TieredCache(Cache):
         auto = config.codec.codec == "auto" and config.disk_dir is not None
         controller = CompressionController.from_config(config.codec) if auto else None
         self.store = KVStore(self.shape, config, controller)
-        held = set() if self.store.disk is None else set(self.store.disk.docs())
-        if doc is not None and doc in held and not _resume:
-            saved = doc in self.store.disk.saved_docs()
+        try:
+            self.doc = _claim(self.store.disk, doc, _resume)
+        except BaseException:
             self.store.close()
-            if saved:
-                raise ValueError(f"{config.disk_dir} already holds document {doc!r}: reopen it "
-                                 f"with TieredCache.open(model, dir, doc={doc!r}), or pass another doc=")
-            raise ValueError(f"{config.disk_dir} holds records of document {doc!r}, never saved (a "
-                             "run that did not save, or crashed): pass another doc=, or remove "
-                             "them first (KVStore.delete_doc)")
-        self.doc = doc or next(d for d in (f"doc{i}" for i in _ids) if d not in held)
+            raise
         self.indexes = [GroupIndex(self.doc, g, self.shape.kv_heads, self.shape.head_dim, self.chunks)
                         for g in range(len(self.groups))]
         if controller is not None:  # prefill writes come before any read measures the disk
@@ -430,6 +425,36 @@ class TieredCache(Cache):
         return {"tokens": self.get_seq_length(), "policy": self.policy.name,
                 "device_peak_bytes": self.store.device.peak, **self.store.stats(),
                 **{f"pipeline_{k}": v for k, v in self.metrics.summary().items()}}
+
+
+def _claim(disk, doc: str | None, resume: bool) -> str:
+    """The document a new cache writes: ``doc``, or the first ``docN`` the directory does not
+    hold; held (``DiskTier.hold_doc``) until the cache closes, so that no other live cache, of
+    this or another process, writes it too (DocInUseError when one does). A new cache is refused
+    a document the directory holds: its records would replace the saved ones."""
+    if disk is None:
+        return doc or f"doc{next(_ids)}"
+    names = [doc] if doc is not None else (f"doc{i}" for i in _ids)
+    for name in names:
+        if doc is None and name in disk.docs():
+            continue
+        try:
+            disk.hold_doc(name)
+        except DocInUseError:
+            if doc is not None:
+                raise
+            continue
+        disk.refresh()  # what a cache that let the name go wrote since this directory was read
+        if resume or name not in disk.docs():
+            return name
+        disk.release_doc(name)
+        if doc is not None:
+            if doc in disk.saved_docs():
+                raise ValueError(f"{disk.path} already holds document {doc!r}: reopen it with "
+                                 f"TieredCache.open(model, dir, doc={doc!r}), or pass another doc=")
+            raise ValueError(f"{disk.path} holds records of document {doc!r}, never saved (a run "
+                             "that did not save, or crashed): pass another doc=, or remove them "
+                             "first (KVStore.delete_doc)")
 
 
 def _on_model_device(config: TierConfig, model) -> TierConfig:

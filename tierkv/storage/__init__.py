@@ -3,9 +3,10 @@ from .base import CorruptRecordError, KVBlock, RecordKey, StorageError, Tier, Ti
 from .device import DeviceTier
 from .disk import DiskTier, RawRecord
 from .host import HostTier
+from .locking import DocInUseError
 from .manifest import CorruptManifestError, DiskWriteError
 from .store import KVStore
 
 __all__ = ["CorruptManifestError", "CorruptRecordError", "DeviceTier", "DiskTier", "DiskWriteError",
-           "HostTier", "KVBlock", "KVStore", "RawRecord", "RecordKey", "StorageError", "Tier",
+           "DocInUseError", "HostTier", "KVBlock", "KVStore", "RawRecord", "RecordKey", "StorageError", "Tier",
            "TierFullError"]

@@ -22,6 +22,7 @@ from .base import CorruptRecordError, KVBlock, RecordKey, Tier, TierFullError
 from .codec import Codec, codec_by_id, codec_name_by_id, decode_block, encode_block, make_codec
 from .diskmeta import DocMeta
 from .diskread import RawRecord, read_batch
+from .locking import DocHold
 from .manifest import refuse_newer_manifest
 from .segfiles import SegmentDir
 from .segment import HEADER, KIND_DATA, KIND_DOC_TOMBSTONE, KIND_KEY_TOMBSTONE, pack_record, \
@@ -73,6 +74,7 @@ class DiskTier(Tier):
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tierkv-disk")
         self._io_threads = io_threads
         self._meta = DocMeta(self._files)
+        self._holds: dict[str, DocHold] = {}
         self._generation = -1
         self.open_report = self._open()
         self._open_generation = self._files.generation
@@ -175,9 +177,32 @@ class DiskTier(Tier):
         key = RecordKey(doc, 0, 0, 1)
         with self._lock:
             self._check_open()
-            self._append(lambda seq: pack_record(KIND_DOC_TOMBSTONE, key, seq))
-            self._meta.drop(doc)
-            return self.reclaim()
+            hold = None if doc in self._holds else DocHold(self._files.dir_fd, doc, self.path)
+            try:
+                self._append(lambda seq: pack_record(KIND_DOC_TOMBSTONE, key, seq))
+                self._meta.drop(doc)
+                return self.reclaim()
+            finally:
+                if hold is not None:
+                    hold.release()
+
+    def hold_doc(self, doc: str) -> None:
+        """Claim ``doc`` for this tier until ``release_doc`` or ``close``, so that no other
+        cache, in this or another process, writes it meanwhile (``DocHold``). DocInUseError
+        when it is held already, by this tier or any other; ``delete_doc`` of a document
+        another tier holds raises it too."""
+        RecordKey(doc, 0, 0, 1)
+        self._files._check_writable()
+        with self._lock:
+            self._check_open()
+            self._holds[doc] = DocHold(self._files.dir_fd, doc, self.path)
+
+    def release_doc(self, doc: str) -> None:
+        """End this tier's claim on ``doc`` (if any)."""
+        with self._lock:
+            hold = self._holds.pop(doc, None)
+            if hold is not None:
+                hold.release()
 
     def reclaim(self, max_dead: float = 0.5) -> tuple[int, int]:
         """Delete dead segments, compact those more than ``max_dead`` dead (crash-safe).
@@ -320,6 +345,8 @@ class DiskTier(Tier):
                     self._files.sync()
                     self._meta.save()
         finally:
+            for doc in list(self._holds):
+                self.release_doc(doc)
             self._pool.shutdown()
             self._files.close()
 
