@@ -415,6 +415,38 @@ def test_a_saved_document_serves_one_live_cache_at_a_time(model_and_tok, tmp_pat
         assert torch.equal(second.token_ids, ids)
 
 
+def test_save_never_replaces_another_document_of_the_same_id(model_and_tok, tmp_path):
+    """Two caches of one id (``doc0`` in two processes' memory) saved to one directory: the
+    second is refused and the first still reopens whole. Saving again where an earlier state of
+    the same document lies replaces it, records the document no longer has included."""
+    model, tok = model_and_tok
+    ids = tok("A short text. " * 40, return_tensors="pt")["input_ids"]
+    other = tok("Another text entirely. " * 30, return_tensors="pt")["input_ids"]
+    small = TierConfig(device_budget="8MB", host_budget="64MB")
+    with TieredCache(model, small, "full", doc="doc0") as cache, torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        cache.save(tmp_path)
+    with TieredCache(model, small, "full", doc="doc0") as cache, torch.no_grad():
+        model(other, past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="already holds another document 'doc0'"):
+            cache.save(tmp_path)
+    with TieredCache.open(model, tmp_path, small) as reopened:
+        assert torch.equal(reopened.token_ids, ids)
+        with torch.no_grad():
+            more = tok(" And more.", return_tensors="pt")["input_ids"]
+            model(more, past_key_values=reopened, use_cache=True)
+        reopened.save(tmp_path / "copy")  # an earlier state of it there: replaced
+        with DiskTier(tmp_path / "copy") as disk:
+            disk.put(RecordKey("doc0", 0, 10**6, 10**6 + 8), reopened.store.get(
+                reopened.indexes[0].keys[0]))  # a record the document does not have
+        reopened.save(tmp_path / "copy")
+        expected = {key for index in reopened.indexes for key in index.keys}
+    with DiskTier(tmp_path / "copy") as disk:
+        assert set(disk.keys()) == expected
+    with TieredCache.open(model, tmp_path / "copy", small) as again:
+        assert torch.equal(again.token_ids, torch.cat([ids, more], dim=1))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"config": {"device_budget": "8MB"}}, "config=dict: expected a TierConfig"),
     ({"select": {"budget": 0.1}}, "select=dict: expected a SelectConfig"),

@@ -31,26 +31,61 @@ def model_identity(model) -> dict:
 
 
 def save(cache, path) -> Path:
-    """Write every record and the document's metadata of ``cache`` under directory ``path``."""
+    """Write every record and the document's metadata of ``cache`` under directory ``path``.
+
+    In another directory than the cache's own, the document is held while it is written
+    (``DiskTier.hold_doc``), and a document of the same id found there is replaced only when it
+    is an earlier state of this one (same model, its tokens a prefix of these): another one is
+    refused with ValueError, and records of a replaced state the document no longer has go.
+    """
     path = Path(path)
     cache.compact()
     own = cache.store.disk
     same = own is not None and Path(own.path).resolve() == path.resolve()
     disk = own if same else DiskTier(path, codec=cache.config.codec)
     try:
-        for index in cache.indexes:
-            for key in index.keys:
-                if not (same and cache.store.where(key) == "disk"):
-                    block = cache.store.get(key)
-                    disk.put(key, block, codec=cache.store.disk_codec(key, block))
+        if not same:
+            disk.hold_doc(cache.doc)
+            disk.refresh()
+            _check_replaceable(disk, cache)
+        keys = [key for index in cache.indexes for key in index.keys]
+        for key in keys:
+            if not (same and cache.store.where(key) == "disk"):
+                block = cache.store.get(key)
+                disk.put(key, block, codec=cache.store.disk_codec(key, block))
         disk.set_doc_meta(cache.doc, _meta(cache), _arrays(cache))
         disk.flush()
         if same:
             cache.snapshot = set(disk.keys())
+        else:
+            kept = set(keys)
+            if disk.remove_many(k for k in disk.keys() if k.doc == cache.doc and k not in kept):
+                disk.flush()
     finally:
         if not same:
             disk.close()
     return path
+
+
+def _check_replaceable(disk: DiskTier, cache) -> None:
+    """Refuse to save ``cache`` over a document of its id in ``disk`` that is not an earlier
+    state of it (another model's, another text's, or records never saved)."""
+    doc = cache.doc
+    if doc not in disk.docs():
+        return
+    meta = _meta_or_empty(disk, doc)
+    if "format" not in meta:
+        raise ValueError(f"{disk.path} holds records of a document {doc!r} that was never saved "
+                         "(a run that did not save, or crashed): save to another directory, or "
+                         "remove them first (DiskTier.delete_doc)")
+    saved = disk.doc_meta(doc)[1].get("token_ids")
+    mine = cache.token_ids[0]
+    earlier = meta.get("model") == model_identity(cache._model) and saved is not None and \
+        saved.numel() <= mine.numel() and torch.equal(mine[:saved.numel()], saved.long())
+    if not earlier:
+        raise ValueError(f"{disk.path} already holds another document {doc!r} (not an earlier "
+                         "state of this one): save to another directory, or delete it there "
+                         "first (DiskTier.delete_doc)")
 
 
 def _meta(cache) -> dict:
