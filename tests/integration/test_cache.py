@@ -9,11 +9,11 @@ import torch
 
 from transformers import DynamicCache
 
-from tierkv import DocInUseError, RecordKey, SelectConfig, TierConfig, TieredCache
+from tierkv import ChunkConfig, DocInUseError, RecordKey, SelectConfig, TierConfig, TieredCache
 from tierkv.hf import cache as cache_module
 from tierkv.hf.model import load_model
 from tierkv.storage import DiskTier
-from tierkv.textgen import city_fact, make_document, passkey_fact, question_turn
+from tierkv.textgen import city_fact, make_document, passkey_fact, passkey_prompt, question_turn
 
 pytestmark = pytest.mark.integration
 
@@ -445,6 +445,39 @@ def test_save_never_replaces_another_document_of_the_same_id(model_and_tok, tmp_
         assert set(disk.keys()) == expected
     with TieredCache.open(model, tmp_path / "copy", small) as again:
         assert torch.equal(again.token_ids, torch.cat([ids, more], dim=1))
+
+
+def test_a_reopened_document_outlives_the_turns_that_reshape_it(model_and_tok, tmp_path):
+    """A saved document reopened, decoded until its chunk trees merge, then compacted by a new
+    turn and saved elsewhere, and closed unsaved: its saved records were rewritten in the live
+    cache, yet stay on disk, so it reopens as saved and answers as before; the copy saved
+    elsewhere holds the reshaped state alone."""
+    model, tok = model_and_tok
+    prompt, _ = passkey_prompt(tok, 1000, 3)
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    config = TierConfig(device_budget="8MB", host_budget="8MB", disk_dir=tmp_path / "doc")
+    with TieredCache(model, config, "tierkv", chunks=ChunkConfig(merge_after=1, desert_threshold=0.9)
+                     ) as cache, torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        cache.save(tmp_path / "doc")
+        saved = {key for index in cache.indexes for key in index.keys}
+    with TieredCache.open(model, tmp_path / "doc") as cache, torch.no_grad():
+        before = model(ids[:, -1:], past_key_values=cache, use_cache=True).logits
+    more = tok(" What is the pass key?", return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with TieredCache.open(model, tmp_path / "doc") as cache, torch.no_grad():
+        out = model.generate(torch.cat([ids, more], 1), past_key_values=cache, max_new_tokens=40, min_new_tokens=40,
+                             do_sample=False)
+        model.generate(torch.cat([out, more], 1), past_key_values=cache, max_new_tokens=1,
+                       do_sample=False)  # the new turn's prefill compacts the merged chunks
+        live = {key for index in cache.indexes for key in index.keys}
+        assert saved - live, "no saved record was rewritten: the test lost its point"
+        cache.save(tmp_path / "copy")
+    with TieredCache.open(model, tmp_path / "doc") as cache, torch.no_grad():
+        assert torch.equal(cache.token_ids, ids)
+        after = model(ids[:, -1:], past_key_values=cache, use_cache=True).logits
+    assert torch.equal(before, after)
+    with DiskTier(tmp_path / "copy") as disk:
+        assert set(disk.keys()) == live
 
 
 @pytest.mark.parametrize("kwargs, message", [

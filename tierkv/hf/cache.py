@@ -289,7 +289,8 @@ class TieredCache(Cache):
     def compact(self) -> int:
         """Rewrite records to match merged/split chunks (idle work, never on the decode path);
         returns the number of records written."""
-        return sum(index.rewrite(self.store) for index in self.indexes)
+        keep = self.snapshot or frozenset()  # the saved document's records: until a save
+        return sum(index.rewrite(self.store, keep) for index in self.indexes)
 
     def index_of(self, layer: int) -> GroupIndex:
         return self.indexes[self.group_of[layer]]

@@ -163,8 +163,9 @@ class GroupIndex:
         found = [(r, keys) for r, keys in found if keys is not None]
         self.tree.split_many([r for r, _ in found], [keys for _, keys in found])
 
-    def rewrite(self, store) -> int:
-        """Rewrite records to match the leaves (after merges/splits); returns records written."""
+    def rewrite(self, store, keep=frozenset()) -> int:
+        """Rewrite records to match the leaves (after merges/splits); returns records written.
+        Replaced records in ``keep`` (a saved document's) keep their disk copies."""
         written = 0
         for rewrite in self.tree.pending_rewrites():
             old = [r.handle for r in rewrite.old]
@@ -179,7 +180,7 @@ class GroupIndex:
             self.tree.commit_rewrite(rewrite, new)
             self._all = None
             for key in set(old) - set(new):
-                store.remove(key)
+                store.remove(key, keep_disk=key in keep)
             written += len(new)
         return written
 

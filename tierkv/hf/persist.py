@@ -55,12 +55,11 @@ def save(cache, path) -> Path:
                 disk.put(key, block, codec=cache.store.disk_codec(key, block))
         disk.set_doc_meta(cache.doc, _meta(cache), _arrays(cache))
         disk.flush()
+        kept = set(keys)  # then the records of the state this one replaces, no longer used
+        if disk.remove_many([k for k in disk.keys() if k.doc == cache.doc and k not in kept]):
+            disk.flush()
         if same:
             cache.snapshot = set(disk.keys())
-        else:
-            kept = set(keys)
-            if disk.remove_many(k for k in disk.keys() if k.doc == cache.doc and k not in kept):
-                disk.flush()
     finally:
         if not same:
             disk.close()

@@ -276,14 +276,17 @@ class KVStore:
         return out
 
     # -- removing and the rest ----------------------------------------------------------
-    def remove(self, key: RecordKey) -> bool:
-        """Forget ``key`` in every tier; whether it was stored."""
+    def remove(self, key: RecordKey, keep_disk: bool = False) -> bool:
+        """Forget ``key`` in every tier (with ``keep_disk``, in the device and host tiers only:
+        its disk copy stays, e.g. a saved document's record a live cache no longer reads);
+        whether it was stored."""
         with self._lock:
             self._check_open()
             self._ranks.discard(key)
             self._codecs.pop(key, None)
             self._clean.discard(key)
-            return sum(bool(tier.remove(key)) for tier in self._tiers()) > 0
+            tiers = [t for t in self._tiers() if not (keep_disk and t is self.disk)]
+            return sum(bool(tier.remove(key)) for tier in tiers) > 0
 
     def delete_doc(self, doc: str) -> None:
         """Forget every record (and the disk metadata) of document ``doc``."""
