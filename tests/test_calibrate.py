@@ -32,7 +32,7 @@ def test_filters_are_optimal_by_brute_force():
     gen = torch.Generator().manual_seed(0)
     sim = torch.rand(9, 9, generator=gen)
     got = propose_filter_layers(sim, n_filters=3, first=1)
-    best = max(_objective(sim, [1, *rest]) for rest in itertools.combinations(range(2, 9), 2))
+    best = max(_objective(sim, [1, *rest]) for rest in itertools.combinations(range(2, 8), 2))
     assert got[0] == 1 and got == sorted(set(got))
     assert _objective(sim, got) == pytest.approx(best)
 
@@ -44,12 +44,32 @@ def test_one_filter_is_first():
 @pytest.mark.parametrize("sim, n_filters, first, match", [
     (torch.ones(4, 5), 1, 0, "similarity shape"),
     (torch.ones(4, 4), 0, 0, "n_filters"),
-    (torch.ones(4, 4), 3, 2, "n_filters"),
+    (torch.ones(4, 4), 3, 2, r"n_filters=3: 4 layers are too few for 3 filter layers from layer 2 "
+                             r"on, each with a layer after it \(at most 1 fit\)"),
+    (torch.ones(4, 4), 2, 2, "n_filters=2: 4 layers are too few"),
     (torch.ones(4, 4), 1, -1, "first"),
 ])
 def test_filters_reject_bad_input(sim, n_filters, first, match):
     with pytest.raises(ValueError, match=match):
         propose_filter_layers(sim, n_filters, first)
+
+
+def test_the_last_layer_is_never_a_filter():
+    """It has no layer after it to serve; a profile naming it would not load."""
+    sim = _blocks([2, 5, 1], across=0.0)  # the last layer alike to none: alone it would lose nothing
+    assert propose_filter_layers(sim, n_filters=2, first=2) == [2, 3]
+    assert propose_filter_layers(torch.ones(4, 4), n_filters=1, first=2) == [2]
+
+
+def test_calibrate_names_a_model_with_too_few_layers():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1)
+    config._name_or_path = "/models/tiny4"
+    with pytest.raises(ValueError, match=r"model 'tiny4' has 4 layers, too few to calibrate 3 filter "
+                                         r"layers: .*at least 6 layers"):
+        calibrate(LlamaForCausalLM(config), tokenizer=None)
 
 
 def test_top_set_similarity():

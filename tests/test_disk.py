@@ -164,6 +164,46 @@ def test_a_document_is_held_by_one_tier_at_a_time(tmp_path, make_block):
         ro.hold_doc("x")
 
 
+def test_refresh_takes_in_documents_saved_or_deleted_elsewhere(tmp_path, make_block):
+    """A tier open for long (another process's) sees, on refresh, a document saved since
+    without a single record, and the deletion of one it had read; closing it then keeps what
+    the others left in the manifest."""
+    key = _key("gone")
+    with DiskTier(tmp_path) as writer:
+        writer.put(key, make_block(key))
+        writer.set_doc_meta("gone", {"n": 1}, {})
+    with DiskTier(tmp_path) as old:
+        assert old.saved_docs() == ["gone"]
+        with DiskTier(tmp_path) as other:
+            other.set_doc_meta("empty", {"n": 2}, {"x": torch.arange(3)})
+            other.delete_doc("gone")
+        assert old.saved_docs() == ["gone"]
+        old.refresh()
+        assert old.saved_docs() == ["empty"] and key not in old
+        assert torch.equal(old.doc_meta("empty")[1]["x"], torch.arange(3))
+        old.set_doc_meta("mine", {"n": 3}, {})
+    with DiskTier(tmp_path) as after:
+        assert after.saved_docs() == ["empty", "mine"]
+
+
+def test_delete_doc_is_in_the_manifest_before_the_tier_closes(tmp_path, make_block):
+    """delete_doc writes the manifest at once: the deletion holds whatever happens to its tier
+    next, and a later save of the same id by another tier survives that tier closing."""
+    key = _key("doc0")
+    with DiskTier(tmp_path) as tier:
+        tier.put(key, make_block(key))
+        tier.set_doc_meta("doc0", {"v": 1}, {})
+    deleter = DiskTier(tmp_path)
+    deleter.delete_doc("doc0")
+    with DiskTier(tmp_path) as fresh:
+        assert fresh.docs() == []
+        fresh.put(key, make_block(key))
+        fresh.set_doc_meta("doc0", {"v": 2}, {})
+    deleter.close()
+    with DiskTier(tmp_path) as tier:
+        assert tier.doc_meta("doc0")[0] == {"v": 2} and key in tier
+
+
 def test_read_raw_many_then_decode(tmp_path, make_block, blocks_equal):
     keys = [_key("d", g, 0, 8 + g) for g in range(6)]
     with DiskTier(tmp_path, io_threads=3) as tier:

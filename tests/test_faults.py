@@ -403,6 +403,24 @@ def test_a_document_held_by_another_process_is_refused_until_it_dies(tmp_path):
             child.kill()
 
 
+def _deleter(path) -> None:
+    DiskTier(path).delete_doc("doc0")
+    os._exit(0)  # dies without closing its tier
+
+
+def test_a_deleted_document_stays_deleted_when_its_process_dies(tmp_path):
+    key = RecordKey("doc0", 0, 0, 8)
+    with DiskTier(tmp_path) as tier:
+        tier.put(key, block_for(key))
+        tier.set_doc_meta("doc0", {"format": 1}, {})
+    child = FORK.Process(target=_deleter, args=(tmp_path,))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    with DiskTier(tmp_path) as tier:
+        assert tier.docs() == [] and tier.keys() == []
+
+
 def test_partial_write_is_cut_back(tmp_path, monkeypatch):
     keys = [RecordKey("doc", 0, 0, 16), RecordKey("doc", 0, 16, 32)]
     with DiskTier(tmp_path) as tier:

@@ -214,3 +214,48 @@ def test_preselection_scores_at_least_its_floor_of_the_context(budget, candidate
     leaves = policy.preselect(cache, 1, q)
     tokens = int(index.tree.sizes[leaves].sum())
     assert candidates - CHUNKS.base < tokens <= candidates
+
+
+@pytest.mark.parametrize("name", ["omnikv", "tierkv"])
+@pytest.mark.parametrize("filters, layer", [((2, 50), 50), ((2, 29), 29)])
+def test_filter_layers_at_or_past_the_last_layer_are_refused(name, filters, layer):
+    """Not dropped: the layers they were to serve would silently follow another filter."""
+    with pytest.raises(ValueError, match=rf"filter_layers=\(2, {layer}\): layer {layer} is at or past "
+                                         r"the model's last layer 29; filter layers must be strictly "
+                                         r"increasing layer indices in \[0, 29\)"):
+        make_policy(name, 30, SelectConfig(filter_layers=filters), CHUNKS, {})
+    assert make_policy(name, 30, SelectConfig(filter_layers=(2, 28)), CHUNKS, {}).filters == (2, 28)
+
+
+@pytest.mark.parametrize("filters", [[12, 2, 17], [2, 2, 17], [-3, 2, 17], [17, 2], [2.0], "2,8",
+                                     None, [], [2, 29]])
+def test_profile_filter_layers_are_checked_by_the_policy(filters):
+    with pytest.raises(ValueError, match=r"profile filter_layers=.*: (layer 29 is at or past the model's "
+                                         r"last layer 29; filter layers )?must be strictly increasing "
+                                         r"layer indices in \[0, 29\)"):
+        make_policy("tierkv", 30, SelectConfig(), CHUNKS, {"filter_layers": filters})
+    profile = {"filter_layers": [2, 12, 17]}
+    assert make_policy("omnikv", 30, SelectConfig(), CHUNKS, profile).filters == (2, 12, 17)
+
+
+def test_default_filters_fit_a_shallow_model():
+    """The defaults serve deep models: a shallow one keeps those below its last layer, and one
+    with none is named."""
+    assert make_policy("omnikv", 4, SelectConfig(), CHUNKS, {}).filters == (2,)
+    assert make_policy("omnikv", 30, SelectConfig(), CHUNKS, {}).filters == (2, 8, 16)
+    with pytest.raises(ValueError, match="policy 'omnikv' needs a filter layer below the last layer 2"):
+        make_policy("omnikv", 3, SelectConfig(), CHUNKS, {})
+
+
+@pytest.mark.parametrize("heads, match", [
+    ([[14, 1]], r"retrieval_heads=\[\[14, 1\]\]: expected a dict"),
+    ({"x": [1]}, r"retrieval_heads\['x'\]: the key must be a layer index"),
+    ({"30": [1]}, r"retrieval_heads\['30'\]: layer out of range \[0, 30\)"),
+    ({"14": 1}, r"retrieval_heads\['14'\]=1: expected a list of KV head indices"),
+    ({"14": [-1]}, r"retrieval_heads\['14'\]=\[-1\]: expected a list of KV head indices"),
+])
+def test_razor_names_bad_retrieval_heads(heads, match):
+    with pytest.raises(ValueError, match=match):
+        make_policy("razor", 30, SelectConfig(), CHUNKS, {"retrieval_heads": heads})
+    policy = make_policy("razor", 30, SelectConfig(), CHUNKS, {"retrieval_heads": {"14": [1], 3: [0, 2]}})
+    assert policy.retrieval == {14: [1], 3: [0, 2]}

@@ -22,6 +22,16 @@ pytestmark = pytest.mark.integration
 LOGIT_ATOL = 1e-3
 
 
+def saved_document(model, tok, path):
+    """A short text prefilled through a ``full`` cache and saved under ``path``: (ids, doc)."""
+    ids = tok("A short text. " * 40, return_tensors="pt")["input_ids"]
+    with TieredCache(model, TierConfig(device_budget="8MB", host_budget="64MB"), "full") as cache, \
+            torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        cache.save(path)
+        return ids, cache.doc
+
+
 def generate(model, ids, cache=None, new=8):
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new, do_sample=False, past_key_values=cache)
@@ -397,12 +407,7 @@ def test_a_saved_document_serves_one_live_cache_at_a_time(model_and_tok, tmp_pat
     """Reopening a document another live cache has open (here through a second model, as
     another process would) is refused before anything is written; once it closes, it opens."""
     model, tok = model_and_tok
-    ids = tok("A short text. " * 40, return_tensors="pt")["input_ids"]
-    with TieredCache(model, TierConfig(device_budget="8MB", host_budget="64MB"), "full") as cache, \
-            torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
-        cache.save(tmp_path)
-        doc = cache.doc
+    ids, doc = saved_document(model, tok, tmp_path)
     other, _ = load_model("smollm2-135m")
     first = TieredCache.open(model, tmp_path, doc=doc)
     try:
@@ -480,6 +485,84 @@ def test_a_reopened_document_outlives_the_turns_that_reshape_it(model_and_tok, t
         assert set(disk.keys()) == live
 
 
+def test_what_the_tiers_would_attend_wrongly_is_refused(model_and_tok):
+    """Padding (zeros in attention_mask) and a context past a sliding window would be attended
+    as plain tokens: refused before any layer runs, so the cache is as it was; a model whose
+    attention does not go through AttentionInterface is refused up front."""
+    from transformers import FalconConfig, FalconForCausalLM, MistralConfig, MistralForCausalLM
+
+    model, tok = model_and_tok
+    ids = tok("A short text. " * 20, return_tensors="pt")["input_ids"]
+    config = TierConfig(device_budget="8MB", host_budget="8MB")
+    with TieredCache(model, config, "full") as cache, torch.no_grad():
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0
+        with pytest.raises(ValueError, match="attention_mask masks 3 of its"):
+            model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2)
+        assert cache.get_seq_length() == 0 and cache.token_ids.numel() == 0
+        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                       max_new_tokens=2)
+    tiny = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    mistral = MistralForCausalLM(MistralConfig(**tiny, sliding_window=16)).eval()
+    with TieredCache(mistral, config, "full") as cache, torch.no_grad():
+        mistral(torch.arange(10)[None], past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match=r"17 tokens pass the model's sliding window \(16\)"):
+            mistral(torch.arange(7)[None], past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length() == 10
+    falcon = FalconForCausalLM(FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                            num_attention_heads=4)).eval()
+    with pytest.raises(ValueError, match="FalconForCausalLM does not run its attention through"):
+        TieredCache(falcon, config, "full")
+
+
+def test_save_and_open_name_their_bad_arguments(model_and_tok, tmp_path):
+    """A document fed as inputs_embeds has no token ids to save; open wants a TierConfig and
+    a directory; save wants a path."""
+    model, tok = model_and_tok
+    ids = tok("A short text. " * 20, return_tensors="pt")["input_ids"]
+    config = TierConfig(device_budget="8MB", host_budget="8MB")
+    with TieredCache(model, config, "full") as cache, torch.no_grad():
+        embeds = torch.nn.functional.embedding(ids, model.get_input_embeddings().weight)
+        model(inputs_embeds=embeds, past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match=f"holds {ids.shape[1]} tokens but knows the ids of 0"):
+            cache.save(tmp_path / "embeds")
+    assert not (tmp_path / "embeds").exists()
+    with TieredCache(model, config, "full") as cache, torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="save=5: expected a directory path"):
+            cache.save(5)
+        cache.save(tmp_path / "doc")
+    with pytest.raises(ValueError, match="config=dict: expected a TierConfig"):
+        TieredCache.open(model, tmp_path / "doc", {"device_budget": "8MB"})
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="'.*file' is not a directory"):
+        TieredCache.open(model, tmp_path / "file")
+
+
+def test_open_refuses_a_document_saved_over_while_it_opened(model_and_tok, tmp_path, monkeypatch):
+    """What ``open`` read of a document before its cache held it is checked again once held:
+    another process saving over it in between (here: the metadata read is made stale) is
+    refused, not served as a mix of both."""
+    from tierkv.hf import persist
+
+    model, tok = model_and_tok
+    ids, _ = saved_document(model, tok, tmp_path)
+    read = persist.read_meta
+
+    def stale(path, doc=None):
+        doc, meta, arrays = read(path, doc)
+        return doc, meta, {**arrays, "token_ids": arrays["token_ids"].flip(0)}
+
+    monkeypatch.setattr(persist, "read_meta", stale)
+    with pytest.raises(ValueError, match="changed while it was being opened"):
+        TieredCache.open(model, tmp_path)
+    monkeypatch.undo()
+    with TieredCache.open(model, tmp_path) as cache:  # refused, it left nothing held
+        assert torch.equal(cache.token_ids, ids)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"config": {"device_budget": "8MB"}}, "config=dict: expected a TierConfig"),
     ({"select": {"budget": 0.1}}, "select=dict: expected a SelectConfig"),
@@ -536,3 +619,24 @@ def test_one_live_cache_per_model(model_and_tok):
     with TieredCache(model, config, "full") as second:
         assert model.config._attn_implementation == second._attn_name
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("policy, kwargs, message", [
+    ("tierkv", {"profile": {"filter_layers": [12, 2, 17]}},
+     r"profile=: filter_layers=\[12, 2, 17\]: must be strictly increasing layer indices in \[0, 29\)"),
+    ("razor", {"profile": {"retrieval_heads": {"14": [7]}}},
+     r"profile=: retrieval_heads\['14'\]=\[7\]: KV head out of range \[0, 3\): the profile does not fit"),
+    ("razor", {"profile": {"retrieval_heads": [[14, 1]]}}, r"retrieval_heads=\[\[14, 1\]\]: expected a dict"),
+    ("tierkv", {"profile": "abc"}, "profile=: expected a dict"),
+    ("tierkv", {"select": SelectConfig(filter_layers=(2, 29))},
+     r"filter_layers=\(2, 29\): layer 29 is at or past the model's last layer 29"),
+])
+def test_profiles_and_filter_layers_are_checked_against_the_model(model_and_tok, policy, kwargs, message):
+    from tierkv.hf.profile import load_profile
+
+    model, _ = model_and_tok
+    assert load_profile(model)["filter_layers"] == [2, 12, 17]  # the shipped profile fits SmolLM2
+    with pytest.raises(ValueError, match=message):
+        TieredCache(model, TierConfig(device_budget="8MB", host_budget="64MB"), policy, **kwargs)
+    with TieredCache(model, TierConfig(device_budget="8MB", host_budget="64MB"), policy) as cache:
+        assert cache.profile["filter_layers"] == [2, 12, 17]  # the model serves a cache again

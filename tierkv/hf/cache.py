@@ -34,7 +34,7 @@ from ..storage.probe import read_bandwidth
 from ..storage.store import KVStore
 from .groups import Fetch, GroupIndex
 from .prefill import prefill_attention
-from .profile import load_profile
+from .profile import check_profile, load_profile
 
 _ids = itertools.count()
 # Records of groups read whole every step rank above any step number: the host keeps them; the
@@ -96,10 +96,12 @@ class TieredCache(Cache):
                              "share one model's attention")
         config = _on_model_device(config or TierConfig(), model)
         self.shape = KVShape.from_config(model.config, dtype=model.dtype)
+        self.sliding_window = _sliding_window(model.config)
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.shape.layers)])
         self.config, self.prefill_block = config, prefill_block
         self.select, self.chunks = select or SelectConfig(), chunks or ChunkConfig()
         self.profile = profile if profile is not None else load_profile(model)
+        check_profile(self.profile, self.shape.layers, self.shape.kv_heads)
         self.policy: Policy = make_policy(policy, self.shape.layers, self.select, self.chunks, self.profile)
         self.groups = self.policy.groups()
         self.group_of = {layer: g for g, group in enumerate(self.groups) for layer in group}
@@ -368,7 +370,27 @@ class TieredCache(Cache):
         self._previous_attn = model.config._attn_implementation
         model.set_attn_implementation(self._attn_name)
         self._ids_hook = model.get_input_embeddings().register_forward_pre_hook(self._record_ids)
+        self._forward_hook = model.register_forward_pre_hook(self._check_forward, with_kwargs=True)
         model._tierkv_cache = weakref.ref(self)
+
+    def _check_forward(self, module, args, kwargs) -> None:
+        """Refuse, before any layer runs, what the cache would attend wrongly: masked tokens
+        (padding), or a context longer than the model's sliding window."""
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
+            raise ValueError(f"attention_mask masks {int((mask == 0).sum())} of its {mask.numel()} "
+                             "tokens (padding?): a TieredCache attends every token of its one "
+                             "sequence; pass the ids unpadded, with no zeros in attention_mask")
+        if self.sliding_window is None:
+            return
+        new = kwargs.get("input_ids", args[0] if args else None)
+        if new is None:
+            new = kwargs.get("inputs_embeds")
+        tokens = self.get_seq_length() + (new.shape[1] if isinstance(new, torch.Tensor) else 0)
+        if tokens > self.sliding_window:
+            raise ValueError(f"{tokens} tokens pass the model's sliding window "
+                             f"({self.sliding_window}): its layers attend only that far back, "
+                             "while a TieredCache attends the whole context")
 
     def _record_ids(self, module, args) -> None:
         ids = args[0]
@@ -405,6 +427,7 @@ class TieredCache(Cache):
         self._model.set_attn_implementation(self._previous_attn)
         AttentionInterface._global_mapping.pop(self._attn_name, None)
         self._ids_hook.remove()
+        self._forward_hook.remove()
         self._model._tierkv_cache = lambda: None
         self._model = None
         self.reader.shutdown(wait=True, cancel_futures=True)
@@ -477,6 +500,18 @@ def _on_model_device(config: TierConfig, model) -> TierConfig:
     return config
 
 
+def _sliding_window(config) -> int | None:
+    """The sliding window of a model whose layers attend only that far back, or None."""
+    config = getattr(config, "text_config", None) or config
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return window if "sliding_attention" in types else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
 def _indexed(device: torch.device) -> torch.device:
     """``device`` with its index: a bare "cuda" is the current CUDA device."""
     if device.type == "cuda" and device.index is None:
@@ -489,6 +524,10 @@ def _check_args(model, config, select, chunks, prefill_block, doc) -> None:
     if not hasattr(model, "config") or not callable(getattr(model, "parameters", None)):
         raise ValueError(f"model={type(model).__name__}: expected a loaded transformers model "
                          "(e.g. from tierkv.load_model)")
+    if not getattr(type(model), "_supports_attention_backend", False):
+        raise ValueError(f"{type(model).__name__} does not run its attention through "
+                         "transformers' AttentionInterface, which a TieredCache takes over: "
+                         "it serves decoder-only models that do (Llama, Qwen2, Mistral families)")
     for name, value, kind in (("config", config, TierConfig), ("select", select, SelectConfig),
                               ("chunks", chunks, ChunkConfig)):
         if value is not None and not isinstance(value, kind):

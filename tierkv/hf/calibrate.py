@@ -15,10 +15,14 @@ from contextlib import contextmanager
 import torch
 
 from ..config import SelectConfig
+from ..shapes import KVShape
 from ..textgen import chat_prompt, make_document, passkey_fact
 from .profile import model_id
 
 _QUERIES = 8  # the last prompt tokens whose attention stands in for a decode step's
+# The filter layers ``calibrate`` proposes: this many, the first at this layer.
+N_FILTERS = 3
+FIRST_FILTER = 2
 
 
 @contextmanager
@@ -126,7 +130,8 @@ def layer_similarity(model, tokenizer, n_tokens: int = 1024, seed: int = 0,
     return top_set_similarity(token_mass, top_frac)
 
 
-def propose_filter_layers(similarity: torch.Tensor, n_filters: int = 3, first: int = 2) -> list[int]:
+def propose_filter_layers(similarity: torch.Tensor, n_filters: int = N_FILTERS,
+                          first: int = FIRST_FILTER) -> list[int]:
     """Filter layers that best serve the layers after them.
 
     Every layer from ``first`` on follows the closest filter layer at or before it; the rule is
@@ -134,12 +139,13 @@ def propose_filter_layers(similarity: torch.Tensor, n_filters: int = 3, first: i
     ``similarity[filter_of(layer), layer]`` (exactly, by dynamic programming over the split of
     layers ``first..`` into ``n_filters`` runs, each headed by its filter). The first filter is
     therefore ``first``: a later one would leave layers before it with no filter to follow,
-    which can only lower the sum. Ties go to the earlier layers.
+    which can only lower the sum. The last layer is never a filter: it has no layer after it to
+    serve. Ties go to the earlier layers.
 
     Parameters
     ----------
     similarity : Tensor, shape (layers, layers), ``[i, j]`` how well layer i's choice serves j.
-    n_filters : number of filter layers, >= 1.
+    n_filters : number of filter layers, in [1, layers - 1 - first].
     first : the first layer that may be a filter (earlier layers attend diffusely, densely).
 
     Returns
@@ -151,9 +157,12 @@ def propose_filter_layers(similarity: torch.Tensor, n_filters: int = 3, first: i
     layers = similarity.shape[0]
     if isinstance(first, bool) or not isinstance(first, int) or first < 0:
         raise ValueError(f"first={first!r}: must be a layer index >= 0")
-    if isinstance(n_filters, bool) or not isinstance(n_filters, int) or not 1 <= n_filters <= layers - first:
-        raise ValueError(f"n_filters={n_filters!r}: must be in [1, {layers - first}] "
-                         f"for {layers} layers from first={first}")
+    if isinstance(n_filters, bool) or not isinstance(n_filters, int) or n_filters < 1:
+        raise ValueError(f"n_filters={n_filters!r}: must be a number of filter layers >= 1")
+    if n_filters > layers - 1 - first:
+        raise ValueError(f"n_filters={n_filters}: {layers} layers are too few for {n_filters} filter "
+                         f"layers from layer {first} on, each with a layer after it (at most "
+                         f"{max(0, layers - 1 - first)} fit)")
     run = _run_scores(similarity.double(), first)
     # best[k][b]: best score of layers first..b-1 split into k runs; cut[k][b]: where run k starts
     best = [[-math.inf] * (layers + 1) for _ in range(n_filters + 1)]
@@ -161,7 +170,7 @@ def propose_filter_layers(similarity: torch.Tensor, n_filters: int = 3, first: i
     best[0][first] = 0.0
     for k in range(1, n_filters + 1):
         for end in range(first + k, layers + 1):
-            for start in range(first + k - 1, end):
+            for start in range(first + k - 1, min(end, layers - 1)):
                 score = best[k - 1][start] + run[start][end]
                 if score > best[k][end]:
                     best[k][end], cut[k][end] = score, start
@@ -294,6 +303,11 @@ def calibrate(model, tokenizer) -> dict:
     [kv heads]}``), ``similarity_mean_next`` (mean similarity of each layer to the next one) and
     ``created_by``; ready for ``profile.save_profile(profile, profile["model"])``.
     """
+    layers = KVShape.from_config(model.config).layers
+    if layers < FIRST_FILTER + N_FILTERS + 1:
+        raise ValueError(f"model {model_id(model)!r} has {layers} layers, too few to calibrate "
+                         f"{N_FILTERS} filter layers: they start at layer {FIRST_FILTER} and the "
+                         f"last layer cannot be one (at least {FIRST_FILTER + N_FILTERS + 1} layers)")
     similarity = layer_similarity(model, tokenizer)
     heads = retrieval_heads(model)
     return {

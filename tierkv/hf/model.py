@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -88,18 +89,23 @@ def load_model(name_or_path, dtype: torch.dtype = torch.float32, device: str | N
     ----------
     name_or_path : ``"smollm2-135m"`` or a local Hugging Face model directory.
     dtype : weights dtype.
-    device : where to put the weights (default: CPU).
+    device : where to put the weights: "cpu" (the default), "cuda" or "cuda:N".
 
     Returns
     -------
     (model, tokenizer), the model in eval mode.
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _check_device(device)
     path = resolve(name_or_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except SafetensorError as exc:
+        raise ModelLoadError(f"model {str(name_or_path)!r}: {_damaged_weights(path)}: damaged or "
+                             f"truncated weights ({exc})") from exc
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"model {str(name_or_path)!r}: {exc}") from exc
     if device is not None:
@@ -107,3 +113,33 @@ def load_model(name_or_path, dtype: torch.dtype = torch.float32, device: str | N
     model.eval()
     model.generation_config.pad_token_id = tok.pad_token_id or tok.eos_token_id
     return model, tok
+
+
+def _check_device(device) -> None:
+    """Refuse, before loading anything, a device the weights cannot go to (as ``TierConfig``)."""
+    if device is None:
+        return
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ValueError(f"device={device!r}: must be 'cpu', 'cuda' or 'cuda:N'")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: CUDA is not available on this machine")
+        index, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
+        if index >= count:
+            raise ValueError(f"device={device!r}: this machine has {count} CUDA device(s), "
+                             f"cuda:0 to cuda:{count - 1}")
+
+
+def _damaged_weights(path: Path) -> str:
+    """The safetensors file(s) of the model directory ``path`` that cannot be opened."""
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    bad = []
+    for file in files:
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except (SafetensorError, OSError):
+            bad.append(file)
+    return ", ".join(str(f) for f in bad or files) or f"a safetensors file in {path}"

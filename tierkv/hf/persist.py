@@ -7,6 +7,7 @@ chunk indexes, the unsealed recent windows and the token ids of the cached seque
 from __future__ import annotations
 
 import dataclasses
+import os
 import zlib
 from pathlib import Path
 
@@ -38,7 +39,12 @@ def save(cache, path) -> Path:
     is an earlier state of this one (same model, its tokens a prefix of these): another one is
     refused with ValueError, and records of a replaced state the document no longer has go.
     """
-    path = Path(path)
+    path = _as_path(path, "save")
+    tokens, known = cache.get_seq_length(), cache.token_ids.shape[1]
+    if known != tokens:
+        raise ValueError(f"the cache holds {tokens} tokens but knows the ids of {known} (the model "
+                         "was fed inputs_embeds?): a saved document carries its token ids, so "
+                         "feed the model input_ids to save it")
     cache.compact()
     own = cache.store.disk
     same = own is not None and Path(own.path).resolve() == path.resolve()
@@ -105,9 +111,10 @@ def _arrays(cache) -> dict[str, torch.Tensor]:
 
 def read_meta(path, doc: str | None = None) -> tuple[str, dict, dict]:
     """(doc, meta, arrays) of a saved document; the only one in ``path`` when ``doc`` is None."""
-    path = Path(path)
+    path = _as_path(path, "path")
     if not path.is_dir():
-        raise ValueError(f"saved document directory {str(path)!r} does not exist")
+        raise ValueError(f"saved document directory {str(path)!r} "
+                         + ("is not a directory" if path.exists() else "does not exist"))
     with DiskTier(path) as disk:
         docs = [d for d in disk.docs() if "format" in _meta_or_empty(disk, d)]
         if doc is None:
@@ -124,6 +131,12 @@ def read_meta(path, doc: str | None = None) -> tuple[str, dict, dict]:
     return doc, meta, arrays
 
 
+def _as_path(path, name: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)) or str(path) == "":
+        raise ValueError(f"{name}={path!r}: expected a directory path")
+    return Path(path)
+
+
 def _meta_or_empty(disk: DiskTier, doc: str) -> dict:
     try:
         return disk.doc_meta(doc)[0]
@@ -135,6 +148,8 @@ def open_cache(cls, model, path, config: TierConfig | None = None, policy: str |
                doc: str | None = None, select: SelectConfig | None = None):
     """Reopen a saved document as a ``cls`` (TieredCache) bound to ``model``; ``policy`` and
     ``select`` replace the saved ones when given (the policy must group layers alike)."""
+    if config is not None and not isinstance(config, TierConfig):
+        raise ValueError(f"config={type(config).__name__}: expected a TierConfig (or None)")
     doc, meta, arrays = read_meta(path, doc)
     saved, here = meta["model"], model_identity(model)
     if saved != here:
@@ -147,6 +162,7 @@ def open_cache(cls, model, path, config: TierConfig | None = None, policy: str |
     cache = cls(model, config, policy or meta["policy"], select=select,
                 chunks=_config(ChunkConfig, meta["chunks"]), doc=doc, _resume=True)
     try:
+        _check_unchanged(cache, meta, arrays)
         _restore(cache, meta, arrays)
     except KeyError as exc:
         cache.close()
@@ -156,6 +172,21 @@ def open_cache(cls, model, path, config: TierConfig | None = None, policy: str |
         raise
     cache.snapshot = set(cache.store.disk.keys())
     return cache
+
+
+def _check_unchanged(cache, meta: dict, arrays: dict) -> None:
+    """The document as read before the cache held it is the one it holds now (another process
+    may have saved over it, or deleted it, in between)."""
+    disk = cache.store.disk
+    disk.refresh()
+    try:
+        now, now_arrays = disk.doc_meta(cache.doc)
+    except KeyError:
+        now, now_arrays = None, {}
+    if now != meta or not torch.equal(now_arrays.get("token_ids", torch.empty(0)),
+                                      arrays["token_ids"]):
+        raise ValueError(f"saved document {cache.doc!r} in {disk.path} changed while it was being "
+                         "opened (saved over or deleted by another process): open it again")
 
 
 def saved_select(path, doc: str | None = None) -> SelectConfig:
@@ -186,4 +217,5 @@ def _restore(cache, meta: dict, arrays: dict) -> None:
     cache.token_ids = arrays["token_ids"].view(1, -1).long()
     if cache.get_seq_length() != meta["tokens"] or cache.token_ids.shape[1] != meta["tokens"]:
         raise ValueError(f"saved document {cache.doc!r} is inconsistent: {meta['tokens']} tokens "
-                         f"recorded, {cache.get_seq_length()} restored")
+                         f"recorded, {cache.get_seq_length()} restored with the ids of "
+                         f"{cache.token_ids.shape[1]}")

@@ -41,6 +41,52 @@ def make_policy(name: str, layers: int, select: SelectConfig, chunks: ChunkConfi
     return REGISTRY[name](layers, select, chunks, profile or {})
 
 
+def filter_layers_of(filters, layers: int, name: str, hint: str = "") -> tuple[int, ...]:
+    """``filters`` as a tuple when they are strictly increasing layer indices below the last
+    layer (a filter layer serves the layers after it); ValueError naming ``name`` otherwise,
+    ``hint`` added when a layer is past the model's."""
+    expected = f"must be strictly increasing layer indices in [0, {layers - 1})"
+    if not isinstance(filters, (list, tuple)) or not filters or not all(map(_is_index, filters)) \
+            or list(filters) != sorted(set(filters)):
+        raise ValueError(f"{name}={filters!r}: {expected}")
+    if filters[-1] >= layers - 1:
+        raise ValueError(f"{name}={filters!r}: layer {filters[-1]} is at or past the model's last "
+                         f"layer {layers - 1}; filter layers {expected}{hint}")
+    return tuple(filters)
+
+
+def retrieval_heads_of(heads, layers: int, name: str, kv_heads: int | None = None,
+                       hint: str = "") -> dict[int, list[int]]:
+    """``{layer: [KV heads]}`` from a profile's ``retrieval_heads`` (layers as ints or decimal
+    strings, JSON's keys; KV heads distinct, below ``kv_heads`` when given); ValueError naming
+    the entry that is not one, ``hint`` added when an index is past the model's."""
+    if not isinstance(heads, dict):
+        raise ValueError(f"{name}={heads!r:.60}: expected a dict {{layer: [KV heads]}}, got "
+                         f"{type(heads).__name__}")
+    out: dict[int, list[int]] = {}
+    for key, kv in heads.items():
+        layer = int(key) if isinstance(key, str) and key.isascii() and key.isdecimal() else key
+        field = f"{name}[{key!r}]"
+        if not _is_index(layer):
+            raise ValueError(f"{field}: the key must be a layer index (an int or a decimal string)")
+        if layer in out:
+            raise ValueError(f"{field}: layer {layer} is given twice")
+        if layer >= layers:
+            raise ValueError(f"{field}: layer out of range [0, {layers}){hint}")
+        if not isinstance(kv, (list, tuple)) or not all(map(_is_index, kv)):
+            raise ValueError(f"{field}={kv!r:.60}: expected a list of KV head indices")
+        if len(set(kv)) != len(kv):
+            raise ValueError(f"{field}={list(kv)}: KV heads must be distinct")
+        if kv_heads is not None and any(h >= kv_heads for h in kv):
+            raise ValueError(f"{field}={list(kv)}: KV head out of range [0, {kv_heads}){hint}")
+        out[layer] = list(kv)
+    return out
+
+
+def _is_index(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def keys_lookup(k: torch.Tensor, positions: torch.Tensor):
     """``(start, end) -> keys of tokens [start, end)`` on the CPU, from ``k`` (kv_heads, n,
     head_dim) whose token positions are ``positions`` (n,, CPU), or None when some of them

@@ -19,7 +19,7 @@ a token out is not outvoted by heads spread thin.
 import torch
 
 from ..attention import scored_decode_attention
-from .base import Policy, keys_lookup, register
+from .base import Policy, filter_layers_of, keys_lookup, register
 
 # Proposed by `tierkv calibrate` for SmolLM2-135M (inter-layer attention similarity).
 DEFAULT_FILTERS = (2, 8, 16)
@@ -49,10 +49,15 @@ class OmniKV(Policy):
 
     def __init__(self, layers, select, chunks, profile):
         super().__init__(layers, select, chunks, profile)
-        filters = select.filter_layers or tuple(profile.get("filter_layers", DEFAULT_FILTERS))
-        filters = tuple(f for f in filters if f < layers - 1)
-        if not filters:
-            raise ValueError(f"filter_layers={select.filter_layers}: none below the last layer {layers - 1}")
+        if select.filter_layers is not None:
+            filters = filter_layers_of(select.filter_layers, layers, "filter_layers")
+        elif "filter_layers" in profile:
+            filters = filter_layers_of(profile["filter_layers"], layers, "profile filter_layers")
+        else:  # the defaults serve deep models: a shallower one keeps those below its last layer
+            filters = tuple(f for f in DEFAULT_FILTERS if f < layers - 1)
+            if not filters:
+                raise ValueError(f"policy {self.name!r} needs a filter layer below the last layer "
+                                 f"{layers - 1}: the model has too few layers")
         self.filters = filters
         self._smoothed: dict[int, torch.Tensor] = {}
         self._to_adapt: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..attention import scored_decode_attention
-from .base import Policy, on_device, register
+from .base import Policy, on_device, register, retrieval_heads_of
 
 
 @register
@@ -23,7 +23,7 @@ class Razor(Policy):
         heads = profile.get("retrieval_heads")
         if heads is None:
             raise ValueError("policy 'razor' needs a profile with retrieval_heads: run `tierkv calibrate`")
-        self.retrieval = {int(layer): list(kv) for layer, kv in heads.items()}
+        self.retrieval = retrieval_heads_of(heads, layers, "profile retrieval_heads")
 
     def attend(self, cache, layer, q, k, v, positions, scaling):
         kv_heads = k.shape[0]

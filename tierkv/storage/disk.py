@@ -181,6 +181,7 @@ class DiskTier(Tier):
             try:
                 self._append(lambda seq: pack_record(KIND_DOC_TOMBSTONE, key, seq))
                 self._meta.drop(doc)
+                self.flush()  # the manifest forgets it before reclaiming may drop the tombstone
                 return self.reclaim()
             finally:
                 if hold is not None:
@@ -216,10 +217,13 @@ class DiskTier(Tier):
             return result
 
     def refresh(self) -> bool:
-        """Take in records other processes appended or compacted; True if anything changed."""
+        """Take in records other processes appended or compacted, and the documents they saved
+        or deleted; True if any record changed."""
         with self._lock:
             self._check_open()
-            changed = self._files.refresh()
+            with self._files.lock.exclusive():
+                changed = self._files.refresh()
+                self._meta.reload()
             self._sync_accounting()
             return changed
 

@@ -2,7 +2,8 @@
 
 Each document's entry remembers the store ``seq`` when it was set, so metadata set before a
 ``delete_doc`` (whose tombstone has a higher seq) is not resurrected by an older manifest.
-Saving merges with the manifest on disk: documents another process set stay as they are.
+Saving merges with the manifest on disk: the documents this tier did not change are written as
+the manifest lists them (set, replaced or deleted by another process), and so does ``reload``.
 """
 from __future__ import annotations
 
@@ -98,6 +99,26 @@ class DocMeta:
                 raise CorruptManifestError(f"manifest metadata of {doc!r} is malformed")
         return manifest
 
+    def reload(self) -> None:
+        """Take in what other processes saved since: the documents this tier did not change
+        become as the manifest on disk lists them (kept as they are if it cannot be read)."""
+        try:
+            on_disk = self._read()
+        except CorruptManifestError:
+            return
+        if on_disk is not None:
+            self._merge(on_disk[2], on_disk[3])
+
+    def _merge(self, entries: dict, arrays: dict) -> None:
+        """The manifest's ``entries`` for the documents this tier did not change: one it does
+        not list, or that a later doc tombstone deleted, was deleted by another process."""
+        tombs = self._files.index.doc_tombs
+        for doc in [d for d in self._entries if d not in self._dirty]:
+            if doc not in entries or self._entries[doc]["seq"] < tombs.get(doc, 0):
+                del self._entries[doc]
+                self._arrays.pop(doc, None)
+        self._adopt(entries, arrays)
+
     def _adopt(self, entries: dict, arrays: dict) -> None:
         tombs = self._files.index.doc_tombs
         for doc, entry in entries.items():
@@ -135,7 +156,7 @@ class DocMeta:
         except CorruptManifestError:
             on_disk = None
         if on_disk is not None:
-            self._adopt(on_disk[2], on_disk[3])
+            self._merge(on_disk[2], on_disk[3])
         live = self._files.index.live
         docs = sorted(set(self._entries) | {k.doc for k in live})
         slot = {d: i for i, d in enumerate(docs)}
