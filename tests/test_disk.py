@@ -204,6 +204,13 @@ def test_delete_doc_is_in_the_manifest_before_the_tier_closes(tmp_path, make_blo
         assert tier.doc_meta("doc0")[0] == {"v": 2} and key in tier
 
 
+def test_a_file_where_the_directory_goes_is_named(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="'.*file' exists and is not a directory"):
+        DiskTier(tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "x"
+
+
 def test_read_raw_many_then_decode(tmp_path, make_block, blocks_equal):
     keys = [_key("d", g, 0, 8 + g) for g in range(6)]
     with DiskTier(tmp_path, io_threads=3) as tier:

@@ -489,7 +489,8 @@ def test_what_the_tiers_would_attend_wrongly_is_refused(model_and_tok):
     """Padding (zeros in attention_mask) and a context past a sliding window would be attended
     as plain tokens: refused before any layer runs, so the cache is as it was; a model whose
     attention does not go through AttentionInterface is refused up front."""
-    from transformers import FalconConfig, FalconForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import FalconConfig, FalconForCausalLM, Gemma2Config, Gemma2ForCausalLM, \
+        MistralConfig, MistralForCausalLM
 
     model, tok = model_and_tok
     ids = tok("A short text. " * 20, return_tensors="pt")["input_ids"]
@@ -515,6 +516,9 @@ def test_what_the_tiers_would_attend_wrongly_is_refused(model_and_tok):
                                             num_attention_heads=4)).eval()
     with pytest.raises(ValueError, match="FalconForCausalLM does not run its attention through"):
         TieredCache(falcon, config, "full")
+    gemma = Gemma2ForCausalLM(Gemma2Config(**tiny, head_dim=8)).eval()
+    with pytest.raises(ValueError, match=r"caps its attention logits \(attn_logit_softcapping=50"):
+        TieredCache(gemma, config, "full")
 
 
 def test_save_and_open_name_their_bad_arguments(model_and_tok, tmp_path):

@@ -528,6 +528,12 @@ def _check_args(model, config, select, chunks, prefill_block, doc) -> None:
         raise ValueError(f"{type(model).__name__} does not run its attention through "
                          "transformers' AttentionInterface, which a TieredCache takes over: "
                          "it serves decoder-only models that do (Llama, Qwen2, Mistral families)")
+    text = getattr(model.config, "text_config", None) or model.config
+    if getattr(text, "attn_logit_softcapping", None):
+        raise ValueError(f"{type(model).__name__} caps its attention logits "
+                         f"(attn_logit_softcapping={text.attn_logit_softcapping}), which a "
+                         "TieredCache's attention does not: it serves Llama, Qwen2 and Mistral "
+                         "families")
     for name, value, kind in (("config", config, TierConfig), ("select", select, SelectConfig),
                               ("chunks", chunks, ChunkConfig)):
         if value is not None and not isinstance(value, kind):

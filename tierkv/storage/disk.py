@@ -58,6 +58,8 @@ class DiskTier(Tier):
         super().__init__(None if budget is None else parse_size(budget, "budget"))
         if not isinstance(path, (str, Path)) or str(path) == "":
             raise ValueError(f"path={path!r}: expected a directory path")
+        if Path(path).exists() and not Path(path).is_dir():
+            raise ValueError(f"disk tier directory {str(path)!r} exists and is not a directory")
         if not isinstance(codec, CodecConfig):
             raise ValueError(f"codec={codec!r}: expected a CodecConfig")
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) \
