@@ -211,6 +211,20 @@ def test_a_file_where_the_directory_goes_is_named(tmp_path):
     assert (tmp_path / "file").read_text() == "x"
 
 
+def test_a_corrupt_record_is_named_with_its_place(tmp_path, make_block):
+    key = _key("doc", 0, 0, 16)
+    with DiskTier(tmp_path, codec=CodecConfig("raw")) as tier:
+        tier.put(key, make_block(key))
+    segment = tmp_path / "seg-000001.tkv"
+    data = bytearray(segment.read_bytes())
+    data[-5] ^= 0xFF  # a payload byte of the only record
+    segment.write_bytes(bytes(data))
+    with DiskTier(tmp_path) as tier, pytest.raises(
+            CorruptRecordError, match=r"record RecordKey\(doc='doc', group=0, start=0, end=16\) at "
+                                      r"seg-000001\.tkv:\d+: record crc32 mismatch"):
+        tier.get(key)
+
+
 def test_read_raw_many_then_decode(tmp_path, make_block, blocks_equal):
     keys = [_key("d", g, 0, 8 + g) for g in range(6)]
     with DiskTier(tmp_path, io_threads=3) as tier:

@@ -9,7 +9,8 @@ import torch
 
 from transformers import DynamicCache
 
-from tierkv import ChunkConfig, DocInUseError, RecordKey, SelectConfig, TierConfig, TieredCache
+from tierkv import ChunkConfig, DocInUseError, RecordKey, SelectConfig, StorageError, TierConfig, \
+    TieredCache
 from tierkv.hf import cache as cache_module
 from tierkv.hf.model import load_model
 from tierkv.storage import DiskTier
@@ -565,6 +566,69 @@ def test_open_refuses_a_document_saved_over_while_it_opened(model_and_tok, tmp_p
     monkeypatch.undo()
     with TieredCache.open(model, tmp_path) as cache:  # refused, it left nothing held
         assert torch.equal(cache.token_ids, ids)
+
+
+def test_a_forward_that_fails_part_way_leaves_a_cache_that_says_so(model_and_tok, tmp_path,
+                                                                 monkeypatch):
+    """Ctrl-C in the middle of a step (or a full disk while sealing) leaves some layers with the
+    step and others without: the cache refuses to go on or to be saved, naming what broke it,
+    rather than attend wrongly; closing it still hands everything back, and the saved document
+    it was reopened from is as it was saved."""
+    model, tok = model_and_tok
+    ids, _ = saved_document(model, tok, tmp_path)
+    more = tok(" And again.", return_tensors="pt", add_special_tokens=False)["input_ids"]
+    cache = TieredCache.open(model, tmp_path)
+    calls, attend = [0], cache.policy.attend
+
+    def interrupted(*args):
+        calls[0] += 1
+        if calls[0] == 40:  # layer 9 of the second decode step
+            raise KeyboardInterrupt("injected")
+        return attend(*args)
+
+    monkeypatch.setattr(cache.policy, "attend", interrupted)
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        model.generate(torch.cat([ids, more], 1), past_key_values=cache, max_new_tokens=4)
+    assert len({cache.layer_length(layer) for layer in range(cache.shape.layers)}) == 2
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"cannot go on: a forward pass failed "
+                                                            r"part-way \(KeyboardInterrupt: injected\)"):
+        model(cache.token_ids[:, -1:], past_key_values=cache, use_cache=True)
+    with pytest.raises(RuntimeError, match="cannot be saved"):
+        cache.save(tmp_path / "copy")
+    cache.close()
+    assert model.config._attn_implementation == "sdpa"
+    with TieredCache.open(model, tmp_path) as reopened, torch.no_grad():
+        assert torch.equal(reopened.token_ids, ids)
+        logits = model(ids[:, -1:], past_key_values=reopened, use_cache=True).logits
+    with torch.no_grad():
+        plain = model(torch.cat([ids, ids[:, -1:]], dim=1)).logits
+    assert torch.allclose(logits[0, -1], plain[0, -1], atol=LOGIT_ATOL)
+
+
+def test_closing_on_a_full_disk_still_lets_the_document_go(model_and_tok, tmp_path, monkeypatch):
+    """close() of a reopened document drops the records written since it opened; when the disk
+    refuses even that, the error comes through, and the document is released all the same."""
+    import os
+
+    model, tok = model_and_tok
+    ids, doc = saved_document(model, tok, tmp_path)
+    config = TierConfig(device_budget="8MB", host_budget="100KB")
+    cache = TieredCache.open(model, tmp_path, config)
+    with torch.no_grad():
+        model.generate(torch.cat([ids, ids[:, -8:]], 1), past_key_values=cache, max_new_tokens=8,
+                       min_new_tokens=8)
+    assert set(cache.store.disk.keys()) - cache.snapshot, "nothing spilled: the test lost its point"
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "pwritev", full)
+    with pytest.raises(StorageError, match="No space left"):
+        cache.close()
+    monkeypatch.undo()
+    assert not list(tmp_path.glob("tierkv.doc-*.lock"))
+    with TieredCache.open(model, tmp_path, config) as again:
+        assert again.doc == doc and torch.equal(again.token_ids, ids)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -130,6 +130,8 @@ class TieredCache(Cache):
         self._pending: list[list[KVBlock]] = [[] for _ in layers]
         self._fresh = [False] * self.shape.layers
         self._step: dict = {}
+        self._in_forward = False  # a forward pass has begun and its last layer not yet attended
+        self._failed: str | None = None  # what broke a forward pass part-way, if anything did
         self.steps = 0  # decode steps so far: the importance of what a step reads or seals
         self.token_ids = torch.zeros(1, 0, dtype=torch.long)
         self.snapshot: set | None = None  # disk records of the saved document this cache holds
@@ -164,6 +166,16 @@ class TieredCache(Cache):
         return False
 
     def _attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        try:
+            out = self._attend(module, query, scaling)
+        except BaseException as exc:
+            self._failed = f"{type(exc).__name__}: {exc}"
+            raise
+        if module.layer_idx == self.shape.layers - 1:
+            self._in_forward = False
+        return out, None
+
+    def _attend(self, module, query, scaling):
         layer = module.layer_idx
         if not self._fresh[layer]:
             raise RuntimeError(f"layer {layer} attends through a TieredCache that did not receive its "
@@ -178,7 +190,17 @@ class TieredCache(Cache):
         else:
             out = self._decode(layer, q, scaling)
         self._after_attention(layer, decoding=q.shape[1] == 1)
-        return out.transpose(0, 1).unsqueeze(0), None
+        return out.transpose(0, 1).unsqueeze(0)
+
+    def check_whole(self, doing: str = "go on") -> None:
+        """RuntimeError when a forward pass failed part-way (an error, a full disk, Ctrl-C): some
+        layers then hold the step and others not, and nothing the cache computes is right."""
+        if self._failed is None and not self._in_forward:
+            return
+        cause = self._failed or "interrupted outside the attention (e.g. KeyboardInterrupt)"
+        raise RuntimeError(f"this TieredCache cannot {doing}: a forward pass failed part-way "
+                           f"({cause}), so its layers hold different lengths; close() it (a saved "
+                           "document reopens as it was saved) and start again")
 
     # -- decode -------------------------------------------------------------------------
     def reserve(self, tag: str, nbytes: int) -> None:
@@ -375,26 +397,28 @@ class TieredCache(Cache):
 
     def _check_forward(self, module, args, kwargs) -> None:
         """Refuse, before any layer runs, what the cache would attend wrongly: masked tokens
-        (padding), or a context longer than the model's sliding window."""
+        (padding), a context longer than the model's sliding window, or anything after a forward
+        pass that failed part-way (``check_whole``)."""
+        self.check_whole()
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
             raise ValueError(f"attention_mask masks {int((mask == 0).sum())} of its {mask.numel()} "
                              "tokens (padding?): a TieredCache attends every token of its one "
                              "sequence; pass the ids unpadded, with no zeros in attention_mask")
-        if self.sliding_window is None:
-            return
         new = kwargs.get("input_ids", args[0] if args else None)
         if new is None:
             new = kwargs.get("inputs_embeds")
         tokens = self.get_seq_length() + (new.shape[1] if isinstance(new, torch.Tensor) else 0)
-        if tokens > self.sliding_window:
+        if self.sliding_window is not None and tokens > self.sliding_window:
             raise ValueError(f"{tokens} tokens pass the model's sliding window "
                              f"({self.sliding_window}): its layers attend only that far back, "
                              "while a TieredCache attends the whole context")
+        self._in_forward = True
 
     def _record_ids(self, module, args) -> None:
         ids = args[0]
         if ids.dim() == 2 and ids.shape[1] == 0 and self.get_seq_length() > 0:
+            self._in_forward = False  # refused before any layer ran: nothing changed
             raise ValueError(f"no new tokens reach the model: the cache holds "
                              f"{self.get_seq_length()} tokens and generate feeds only the ids past "
                              "them; pass cache.token_ids followed by the new tokens")
@@ -434,9 +458,11 @@ class TieredCache(Cache):
         self.prefill_blocks = self.prefill_ahead = None
         self.pipeline.close()
         disk = self.store.disk
-        if self.snapshot is not None and disk is not None:
-            disk.remove_many([k for k in disk.keys() if k.doc == self.doc and k not in self.snapshot])
-        self.store.close()
+        try:  # records written since the saved state, which stays as it was saved
+            if self.snapshot is not None and disk is not None:
+                disk.remove_many([k for k in disk.keys() if k.doc == self.doc and k not in self.snapshot])
+        finally:
+            self.store.close()
 
     def __enter__(self):
         return self

@@ -40,6 +40,7 @@ def save(cache, path) -> Path:
     refused with ValueError, and records of a replaced state the document no longer has go.
     """
     path = _as_path(path, "save")
+    cache.check_whole("be saved")
     tokens, known = cache.get_seq_length(), cache.token_ids.shape[1]
     if known != tokens:
         raise ValueError(f"the cache holds {tokens} tokens but knows the ids of {known} (the model "

@@ -150,5 +150,9 @@ def _verified(key: RecordKey, loc, record: memoryview) -> RawRecord:
             (key.doc, key.group, key.start, key.end, loc.header.seq, loc.length):
         raise CorruptRecordError(f"record at {segment_name(loc.segment)}:{loc.offset} is not the "
                                  f"one indexed ({header.key} seq {header.seq})")
-    check_crc(header, record)
+    try:
+        check_crc(header, record)
+    except CorruptRecordError as exc:
+        raise CorruptRecordError(f"record {key} at {segment_name(loc.segment)}:{loc.offset}: "
+                                 f"{exc}") from None
     return RawRecord(key, header.codec, header.torch_dtype, header.shape, record[HEADER.size:])
