@@ -662,7 +662,8 @@ def test_a_device_budget_too_small_says_what_it_must_hold(model_and_tok):
 
 def test_continuing_without_the_cached_ids_is_named(model_and_tok):
     """generate feeds the model only the ids past what the cache holds: given only new ids,
-    nothing would reach it; the error says what to pass."""
+    nothing would reach it, and given fewer ids than it holds, a tail of them would be fed again
+    at the wrong positions; the error says what to pass, and the cache goes on."""
     model, tok = model_and_tok
     ids = tok("A short text. " * 20, return_tensors="pt")["input_ids"]
     more = tok(" And more.", return_tensors="pt", add_special_tokens=False)["input_ids"]
@@ -670,6 +671,11 @@ def test_continuing_without_the_cached_ids_is_named(model_and_tok):
         generate(model, ids, cache, new=2)
         with pytest.raises(ValueError, match="pass cache.token_ids followed by the new tokens"):
             generate(model, more, cache, new=2)
+        held = cache.get_seq_length()
+        with pytest.raises(ValueError, match=f"new tokens would sit at position 1, but the cache "
+                                             f"holds {held}: generate was given fewer ids"):
+            generate(model, ids, cache, new=2)  # the first prompt again: part of it, re-fed
+        assert cache.get_seq_length() == held
         again = generate(model, torch.cat([cache.token_ids, more], dim=1), cache, new=2)
     assert again.numel() == 2
 

@@ -405,10 +405,17 @@ class TieredCache(Cache):
             raise ValueError(f"attention_mask masks {int((mask == 0).sum())} of its {mask.numel()} "
                              "tokens (padding?): a TieredCache attends every token of its one "
                              "sequence; pass the ids unpadded, with no zeros in attention_mask")
+        held = self.get_seq_length()
+        positions = kwargs.get("position_ids")
+        if isinstance(positions, torch.Tensor) and positions.numel() and positions.dim() == 2 \
+                and int(positions[0, 0]) != held:
+            raise ValueError(f"the new tokens would sit at position {int(positions[0, 0])}, but the "
+                             f"cache holds {held}: generate was given fewer ids than the cache "
+                             "holds; pass cache.token_ids followed by the new tokens")
         new = kwargs.get("input_ids", args[0] if args else None)
         if new is None:
             new = kwargs.get("inputs_embeds")
-        tokens = self.get_seq_length() + (new.shape[1] if isinstance(new, torch.Tensor) else 0)
+        tokens = held + (new.shape[1] if isinstance(new, torch.Tensor) else 0)
         if self.sliding_window is not None and tokens > self.sliding_window:
             raise ValueError(f"{tokens} tokens pass the model's sliding window "
                              f"({self.sliding_window}): its layers attend only that far back, "
