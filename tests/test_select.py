@@ -122,3 +122,12 @@ def test_query_ranks_by_centre_logit():
     config = SelectConfig(budget=16, sinks=0, window=1)
     sel = select_by_query(tree, torch.tensor([[1.0, 1.0]]), config, context=24)
     assert sel.leaves.tolist() == [1, 2] and sel.evaluations == 3
+
+
+def test_a_token_budget_past_any_context_is_refused():
+    """1e19 tokens overflowed torch's int64 in the selection (a traceback, or no answer)."""
+    from tierkv.config import MAX_BUDGET_TOKENS
+
+    assert SelectConfig(budget=MAX_BUDGET_TOKENS).tokens(100) == MAX_BUDGET_TOKENS
+    with pytest.raises(ValueError, match=r"budget=1e\+19: a token count must be at most"):
+        SelectConfig(budget=1e19)

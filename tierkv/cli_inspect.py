@@ -65,16 +65,21 @@ def run_inspect(args) -> int:
     if args.plot is not None:
         from .cli_plot import plot_store
 
+        if not docs:
+            raise ValueError(f"--plot {args.plot}: {args.dir} holds no document to draw")
+
         plot_store(docs, args.plot, f"{args.dir} ({human_bytes(segments_bytes)} on disk)")
         print(f"picture written to {args.plot}")
     return 0 if whole(health, report, docs) else 1
 
 
 def whole(health: list[dict], report: dict, docs: list[DocSurvey]) -> bool:
-    """No damaged record, nothing dropped on open, no saved document missing a chunk."""
+    """No damaged record, nothing dropped on open, no damaged manifest (its saved documents
+    could not be opened), no saved document missing a chunk."""
     missing = any(s == "missing" for d in docs if "format" in d.meta
                   for chunks in d.chunks.values() for *_, s in chunks)
-    return all(entry["ok"] for entry in health) and not report["dropped"] and not missing
+    return all(entry["ok"] for entry in health) and not report["dropped"] and not missing \
+        and not report["manifest"].startswith("corrupt")
 
 
 def survey(disk, health: list[dict]) -> list[DocSurvey]:

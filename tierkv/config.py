@@ -190,6 +190,7 @@ class ChunkConfig:
 
 SELECTORS = ("last", "uniform", "exp")
 FETCH_UNITS = ("record", "leaf")
+MAX_BUDGET_TOKENS = 1 << 40  # far past any context, and within torch's int64 arithmetic
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,8 @@ class SelectConfig:
             raise ValueError(f"budget={b!r}: must be a fraction in (0, 1) or a token count >= 1")
         if isinstance(b, float) and b >= 1 and not b.is_integer():
             raise ValueError(f"budget={b!r}: a token count must be a whole number")
+        if b > MAX_BUDGET_TOKENS:
+            raise ValueError(f"budget={b!r}: a token count must be at most {MAX_BUDGET_TOKENS}")
         _check_range("sinks", self.sinks, 0, 1 << 20)
         _check_range("window", self.window, 1, 1 << 20)
         _check_range("selector_window", self.selector_window, 1, 4096)

@@ -631,6 +631,21 @@ def test_closing_on_a_full_disk_still_lets_the_document_go(model_and_tok, tmp_pa
         assert again.doc == doc and torch.equal(again.token_ids, ids)
 
 
+def test_reopening_a_document_again_and_again_does_not_grow_its_directory(model_and_tok, tmp_path):
+    """Each turn over a reopened document writes records that close() drops; their space is
+    reclaimed then, so the segments stay within twice the live records (``reclaim``)."""
+    model, tok = model_and_tok
+    ids, _ = saved_document(model, tok, tmp_path)
+    config = TierConfig(device_budget="8MB", host_budget="100KB")
+    for _ in range(3):
+        with TieredCache.open(model, tmp_path, config) as cache, torch.no_grad():
+            model.generate(torch.cat([ids, ids[:, -8:]], 1), past_key_values=cache,
+                           max_new_tokens=48, min_new_tokens=48)
+    files = sum(p.stat().st_size for p in tmp_path.glob("seg-*.tkv"))
+    with DiskTier(tmp_path) as disk:
+        assert files <= 2 * disk.used, (files, disk.used)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"config": {"device_budget": "8MB"}}, "config=dict: expected a TierConfig"),
     ({"select": {"budget": 0.1}}, "select=dict: expected a SelectConfig"),

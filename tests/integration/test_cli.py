@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tierkv.cli import describe, main
-from tierkv.storage import CorruptRecordError, DiskWriteError, StorageError
+from tierkv.storage import CorruptRecordError, DiskTier, DiskWriteError, StorageError
 from tierkv.textgen import make_document, passkey_fact
 
 pytestmark = pytest.mark.integration
@@ -87,6 +87,22 @@ def test_inspect_and_plot(saved):
     assert "layer groups" in run.stdout
     assert "; tree: " in run.stdout and "leaves of" in run.stdout  # the saved chunk tree
     assert (work / "tree.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_inspect_counts_a_damaged_manifest_and_has_nothing_to_plot_in_an_empty_store(saved,
+                                                                                     tmp_path):
+    """A manifest that cannot be read leaves the saved documents unopenable: not whole (1). A
+    store with no document has nothing to draw: one line, 2."""
+    work, _, _ = saved
+    broken = tmp_path / "manifest"
+    shutil.copytree(work / "saved", broken)
+    (broken / "manifest.safetensors").write_bytes(b"\0" * 64)
+    inspect = tierkv("inspect", broken, cwd=work)
+    assert inspect.returncode == 1 and "manifest corrupt" in inspect.stdout, inspect.stdout
+    (tmp_path / "empty").mkdir()
+    DiskTier(tmp_path / "empty").close()
+    run = tierkv("inspect", tmp_path / "empty", "--plot", tmp_path / "x.png", cwd=work)
+    assert run.returncode == 2 and last_line(run.stderr).endswith("holds no document to draw")
 
 
 def test_corrupt_store(saved, tmp_path):

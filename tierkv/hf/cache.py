@@ -465,9 +465,10 @@ class TieredCache(Cache):
         self.prefill_blocks = self.prefill_ahead = None
         self.pipeline.close()
         disk = self.store.disk
-        try:  # records written since the saved state, which stays as it was saved
-            if self.snapshot is not None and disk is not None:
-                disk.remove_many([k for k in disk.keys() if k.doc == self.doc and k not in self.snapshot])
+        try:  # records written since the saved state, which stays as it was saved; their space
+            if self.snapshot is not None and disk is not None:  # back (each reopen grew the file)
+                if disk.remove_many([k for k in disk.keys() if k.doc == self.doc and k not in self.snapshot]):
+                    disk.reclaim()
         finally:
             self.store.close()
 
