@@ -8,6 +8,11 @@ import torch
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+def text_config(config):
+    """The language model's part of a (possibly multimodal) transformers config."""
+    return getattr(config, "text_config", None) or config
+
+
 @dataclass(frozen=True)
 class KVShape:
     """Layers, KV heads, head size and dtype of a KV cache.
@@ -58,7 +63,7 @@ class KVShape:
     @classmethod
     def from_config(cls, config, dtype: torch.dtype | None = None) -> "KVShape":
         """From a transformers ``PretrainedConfig`` of a decoder-only model with (GQA) attention."""
-        text = getattr(config, "text_config", None) or config
+        text = text_config(config)
         try:
             layers = text.num_hidden_layers
             q_heads = text.num_attention_heads

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from tierkv import ChunkConfig, DocInUseError, RecordKey, SelectConfig, StorageError, TierConfig, \
     TieredCache
-from tierkv.hf import cache as cache_module
+from tierkv.hf import admit
 from tierkv.hf.model import load_model
 from tierkv.storage import DiskTier
 from tierkv.textgen import city_fact, make_document, passkey_fact, passkey_prompt, question_turn
@@ -389,19 +389,19 @@ def test_new_documents_of_two_processes_get_distinct_names(tmp_path, make_block,
     another live cache holds is skipped, and so is one it wrote and let go of since this
     process read the directory; naming a held document is refused."""
     with DiskTier(tmp_path) as mine, DiskTier(tmp_path) as theirs:
-        monkeypatch.setattr(cache_module, "_ids", itertools.count())
-        assert cache_module._claim(theirs, None, False) == "doc0"
-        monkeypatch.setattr(cache_module, "_ids", itertools.count())
-        assert cache_module._claim(mine, None, False) == "doc1"
+        monkeypatch.setattr(admit, "_ids", itertools.count())
+        assert admit.claim_doc(theirs, None, False) == "doc0"
+        monkeypatch.setattr(admit, "_ids", itertools.count())
+        assert admit.claim_doc(mine, None, False) == "doc1"
         with pytest.raises(DocInUseError, match="'doc0' is in use"):
-            cache_module._claim(mine, "doc0", True)
+            admit.claim_doc(mine, "doc0", True)
         key = RecordKey("doc2", 0, 0, 8)
         with DiskTier(tmp_path) as third:  # writes doc2 and closes, unseen by ``mine``
             third.hold_doc("doc2")
             third.put(key, make_block(key))
         assert "doc2" not in mine.docs()
-        monkeypatch.setattr(cache_module, "_ids", itertools.count())
-        assert cache_module._claim(mine, None, False) == "doc3"
+        monkeypatch.setattr(admit, "_ids", itertools.count())
+        assert admit.claim_doc(mine, None, False) == "doc3"
 
 
 def test_a_saved_document_serves_one_live_cache_at_a_time(model_and_tok, tmp_path):

@@ -14,8 +14,6 @@ last layer of a group has done so, the group's chunks are sealed into the store 
 """
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,15 +26,14 @@ from ..config import ChunkConfig, SelectConfig, TierConfig
 from ..pipeline import CompressionController, FetchPlan, Metrics, Pipeline
 from ..policies import Policy, make_policy
 from ..shapes import KVShape
-from ..storage.base import KVBlock, RecordKey, TierFullError
-from ..storage.locking import DocInUseError
+from ..storage.base import KVBlock, TierFullError
 from ..storage.probe import read_bandwidth
 from ..storage.store import KVStore
+from .admit import check_args, claim_doc, on_model_device, sliding_window
 from .groups import Fetch, GroupIndex
 from .prefill import prefill_attention
 from .profile import check_profile, load_profile
 
-_ids = itertools.count()
 # Records of groups read whole every step rank above any step number: the host keeps them; the
 # others rank by the last step that read or sealed them, so the host caches what decode reads.
 PINNED = 2.0 ** 60
@@ -87,21 +84,22 @@ class TieredCache(Cache):
                  select: SelectConfig | None = None, chunks: ChunkConfig | None = None,
                  doc: str | None = None, profile: dict | None = None, prefill_block: int = 512,
                  _resume: bool = False):
-        _check_args(model, config, select, chunks, prefill_block, doc)
+        check_args(model, config, select, chunks, prefill_block, doc)
         live = getattr(model, "_tierkv_cache", lambda: None)()
         if live is not None and live._model is not None:
             raise ValueError(f"the model already serves a live TieredCache (document "
                              f"{live.doc!r}): close() it first (a cache stays live until closed, "
                              "referenced or not), or load a second model; two caches cannot "
                              "share one model's attention")
-        config = _on_model_device(config or TierConfig(), model)
+        config = on_model_device(config or TierConfig(), model)
         self.shape = KVShape.from_config(model.config, dtype=model.dtype)
-        self.sliding_window = _sliding_window(model.config)
+        self.sliding_window = sliding_window(model.config)
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.shape.layers)])
         self.config, self.prefill_block = config, prefill_block
         self.select, self.chunks = select or SelectConfig(), chunks or ChunkConfig()
+        if profile is not None:  # a shipped or calibrated one is checked as it loads
+            check_profile(profile, self.shape.layers, self.shape.kv_heads)
         self.profile = profile if profile is not None else load_profile(model)
-        check_profile(self.profile, self.shape.layers, self.shape.kv_heads)
         self.policy: Policy = make_policy(policy, self.shape.layers, self.select, self.chunks, self.profile)
         self.groups = self.policy.groups()
         self.group_of = {layer: g for g, group in enumerate(self.groups) for layer in group}
@@ -112,7 +110,7 @@ class TieredCache(Cache):
         controller = CompressionController.from_config(config.codec) if auto else None
         self.store = KVStore(self.shape, config, controller)
         try:
-            self.doc = _claim(self.store.disk, doc, _resume)
+            self.doc = claim_doc(self.store.disk, doc, _resume)
         except BaseException:
             self.store.close()
             raise
@@ -392,10 +390,10 @@ class TieredCache(Cache):
         self._previous_attn = model.config._attn_implementation
         model.set_attn_implementation(self._attn_name)
         self._ids_hook = model.get_input_embeddings().register_forward_pre_hook(self._record_ids)
-        self._forward_hook = model.register_forward_pre_hook(self._check_forward, with_kwargs=True)
+        self._forward_hook = model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)
         model._tierkv_cache = weakref.ref(self)
 
-    def _check_forward(self, module, args, kwargs) -> None:
+    def _begin_forward(self, module, args, kwargs) -> None:
         """Refuse, before any layer runs, what the cache would attend wrongly: masked tokens
         (padding), a context longer than the model's sliding window, or anything after a forward
         pass that failed part-way (``check_whole``)."""
@@ -483,96 +481,3 @@ class TieredCache(Cache):
         return {"tokens": self.get_seq_length(), "policy": self.policy.name,
                 "device_peak_bytes": self.store.device.peak, **self.store.stats(),
                 **{f"pipeline_{k}": v for k, v in self.metrics.summary().items()}}
-
-
-def _claim(disk, doc: str | None, resume: bool) -> str:
-    """The document a new cache writes: ``doc``, or the first ``docN`` the directory does not
-    hold; held (``DiskTier.hold_doc``) until the cache closes, so that no other live cache, of
-    this or another process, writes it too (DocInUseError when one does). A new cache is refused
-    a document the directory holds: its records would replace the saved ones."""
-    if disk is None:
-        return doc or f"doc{next(_ids)}"
-    names = [doc] if doc is not None else (f"doc{i}" for i in _ids)
-    for name in names:
-        if doc is None and name in disk.docs():
-            continue
-        try:
-            disk.hold_doc(name)
-        except DocInUseError:
-            if doc is not None:
-                raise
-            continue
-        disk.refresh()  # what a cache that let the name go wrote since this directory was read
-        if resume or name not in disk.docs():
-            return name
-        disk.release_doc(name)
-        if doc is not None:
-            if doc in disk.saved_docs():
-                raise ValueError(f"{disk.path} already holds document {doc!r}: reopen it with "
-                                 f"TieredCache.open(model, dir, doc={doc!r}), or pass another doc=")
-            raise ValueError(f"{disk.path} holds records of document {doc!r}, never saved (a run "
-                             "that did not save, or crashed): pass another doc=, or remove them "
-                             "first (KVStore.delete_doc)")
-
-
-def _on_model_device(config: TierConfig, model) -> TierConfig:
-    """``config`` with its device tier where ``model`` computes: ``device="auto"`` becomes the
-    model's device (attention runs there, so its KV must be there too); another device than the
-    model's is refused."""
-    param = next(model.parameters(), None)
-    if param is None:
-        return config
-    here = param.device
-    if here.type not in ("cpu", "cuda"):
-        raise ValueError(f"the model is on {here}: TieredCache runs models on 'cpu' or 'cuda'")
-    if config.device == "auto":
-        return dataclasses.replace(config, device=str(here))
-    wanted, here = _indexed(config.torch_device), _indexed(here)
-    if wanted != here:
-        raise ValueError(f"TierConfig(device={config.device!r}): the model is on {here}; the "
-                         f"device tier must be where the model computes (device='auto' follows it)")
-    return config
-
-
-def _sliding_window(config) -> int | None:
-    """The sliding window of a model whose layers attend only that far back, or None."""
-    config = getattr(config, "text_config", None) or config
-    window = getattr(config, "sliding_window", None)
-    if window is None:
-        return None
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        return window if "sliding_attention" in types else None
-    return window if getattr(config, "use_sliding_window", True) else None
-
-
-def _indexed(device: torch.device) -> torch.device:
-    """``device`` with its index: a bare "cuda" is the current CUDA device."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _check_args(model, config, select, chunks, prefill_block, doc) -> None:
-    """Clear errors for arguments of the wrong kind, before anything is built."""
-    if not hasattr(model, "config") or not callable(getattr(model, "parameters", None)):
-        raise ValueError(f"model={type(model).__name__}: expected a loaded transformers model "
-                         "(e.g. from tierkv.load_model)")
-    if not getattr(type(model), "_supports_attention_backend", False):
-        raise ValueError(f"{type(model).__name__} does not run its attention through "
-                         "transformers' AttentionInterface, which a TieredCache takes over: "
-                         "it serves decoder-only models that do (Llama, Qwen2, Mistral families)")
-    text = getattr(model.config, "text_config", None) or model.config
-    if getattr(text, "attn_logit_softcapping", None):
-        raise ValueError(f"{type(model).__name__} caps its attention logits "
-                         f"(attn_logit_softcapping={text.attn_logit_softcapping}), which a "
-                         "TieredCache's attention does not: it serves Llama, Qwen2 and Mistral "
-                         "families")
-    for name, value, kind in (("config", config, TierConfig), ("select", select, SelectConfig),
-                              ("chunks", chunks, ChunkConfig)):
-        if value is not None and not isinstance(value, kind):
-            raise ValueError(f"{name}={type(value).__name__}: expected a {kind.__name__} (or None)")
-    if isinstance(prefill_block, bool) or not isinstance(prefill_block, int) or prefill_block < 1:
-        raise ValueError(f"prefill_block={prefill_block!r}: must be a positive integer")
-    if doc is not None:
-        RecordKey(doc, 0, 0, 1)  # a ValueError naming it when records could not carry it

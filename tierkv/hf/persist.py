@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..config import ChunkConfig, SelectConfig, TierConfig
+from ..shapes import text_config
 from ..storage.disk import DiskTier
 
 FORMAT_VERSION = 1
@@ -23,7 +24,7 @@ def model_identity(model) -> dict:
     """What must match between the model that saved a document and the one that opens it."""
     from .profile import model_id
 
-    cfg = getattr(model.config, "text_config", None) or model.config
+    cfg = text_config(model.config)
     weight = model.get_input_embeddings().weight
     sample = weight[: min(16, weight.shape[0])].detach().float().cpu().contiguous()
     return {"id": model_id(model), "layers": cfg.num_hidden_layers, "vocab": cfg.vocab_size,
@@ -178,8 +179,7 @@ def open_cache(cls, model, path, config: TierConfig | None = None, policy: str |
 def _check_unchanged(cache, meta: dict, arrays: dict) -> None:
     """The document as read before the cache held it is the one it holds now (another process
     may have saved over it, or deleted it, in between)."""
-    disk = cache.store.disk
-    disk.refresh()
+    disk = cache.store.disk  # refreshed by claim_doc once the document was held
     try:
         now, now_arrays = disk.doc_meta(cache.doc)
     except KeyError:

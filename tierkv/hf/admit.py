@@ -1,0 +1,109 @@
+"""What a TieredCache checks and settles before it is built: its arguments, whether the model is
+one it can serve, the device its tiers follow, and the document it writes (held for its life).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+
+from ..config import ChunkConfig, SelectConfig, TierConfig
+from ..shapes import text_config
+from ..storage.base import RecordKey
+from ..storage.locking import DocInUseError
+
+_ids = itertools.count()  # docN names of this process; another process counts from doc0 too
+
+
+def claim_doc(disk, doc: str | None, resume: bool) -> str:
+    """The document a new cache writes: ``doc``, or the first ``docN`` the directory does not
+    hold; held (``DiskTier.hold_doc``) until the cache closes, so that no other live cache, of
+    this or another process, writes it too (DocInUseError when one does). A new cache is refused
+    a document the directory holds: its records would replace the saved ones."""
+    if disk is None:
+        return doc or f"doc{next(_ids)}"
+    names = [doc] if doc is not None else (f"doc{i}" for i in _ids)
+    for name in names:
+        if doc is None and name in disk.docs():
+            continue
+        try:
+            disk.hold_doc(name)
+        except DocInUseError:
+            if doc is not None:
+                raise
+            continue
+        disk.refresh()  # what a cache that let the name go wrote since this directory was read
+        if resume or name not in disk.docs():
+            return name
+        disk.release_doc(name)
+        if doc is not None:
+            if doc in disk.saved_docs():
+                raise ValueError(f"{disk.path} already holds document {doc!r}: reopen it with "
+                                 f"TieredCache.open(model, dir, doc={doc!r}), or pass another doc=")
+            raise ValueError(f"{disk.path} holds records of document {doc!r}, never saved (a run "
+                             "that did not save, or crashed): pass another doc=, or remove them "
+                             "first (KVStore.delete_doc)")
+
+
+def on_model_device(config: TierConfig, model) -> TierConfig:
+    """``config`` with its device tier where ``model`` computes: ``device="auto"`` becomes the
+    model's device (attention runs there, so its KV must be there too); another device than the
+    model's is refused."""
+    param = next(model.parameters(), None)
+    if param is None:
+        return config
+    here = param.device
+    if here.type not in ("cpu", "cuda"):
+        raise ValueError(f"the model is on {here}: TieredCache runs models on 'cpu' or 'cuda'")
+    if config.device == "auto":
+        return dataclasses.replace(config, device=str(here))
+    wanted, here = indexed(config.torch_device), indexed(here)
+    if wanted != here:
+        raise ValueError(f"TierConfig(device={config.device!r}): the model is on {here}; the "
+                         f"device tier must be where the model computes (device='auto' follows it)")
+    return config
+
+
+def sliding_window(config) -> int | None:
+    """The sliding window of a model whose layers attend only that far back, or None."""
+    config = text_config(config)
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return window if "sliding_attention" in types else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: a bare "cuda" is the current CUDA device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def check_args(model, config, select, chunks, prefill_block, doc) -> None:
+    """Clear errors for arguments of the wrong kind, before anything is built."""
+    if not hasattr(model, "config") or not callable(getattr(model, "parameters", None)):
+        raise ValueError(f"model={type(model).__name__}: expected a loaded transformers model "
+                         "(e.g. from tierkv.load_model)")
+    if not getattr(type(model), "_supports_attention_backend", False):
+        raise ValueError(f"{type(model).__name__} does not run its attention through "
+                         "transformers' AttentionInterface, which a TieredCache takes over: "
+                         "it serves decoder-only models that do (Llama, Qwen2, Mistral families)")
+    text = text_config(model.config)
+    if getattr(text, "attn_logit_softcapping", None):
+        raise ValueError(f"{type(model).__name__} caps its attention logits "
+                         f"(attn_logit_softcapping={text.attn_logit_softcapping}), which a "
+                         "TieredCache's attention does not: it serves Llama, Qwen2 and Mistral "
+                         "families")
+    for name, value, kind in (("config", config, TierConfig), ("select", select, SelectConfig),
+                              ("chunks", chunks, ChunkConfig)):
+        if value is not None and not isinstance(value, kind):
+            raise ValueError(f"{name}={type(value).__name__}: expected a {kind.__name__} (or None)")
+    if isinstance(prefill_block, bool) or not isinstance(prefill_block, int) or prefill_block < 1:
+        raise ValueError(f"prefill_block={prefill_block!r}: must be a positive integer")
+    if doc is not None:
+        RecordKey(doc, 0, 0, 1)  # a ValueError naming it when records could not carry it
