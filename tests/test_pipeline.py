@@ -83,6 +83,9 @@ class FakeStore:
     def promote(self, key, block, importance):
         return False
 
+    def touch(self, ranks):
+        pass
+
     def where(self, key):
         for name in ("device", "host"):
             if key in getattr(self, name):
@@ -337,6 +340,29 @@ def test_real_store_bit_identical_and_cached(tmp_path):
                     assert_identical(step.wait(g), sync_reference(store, keys[g]))
             assert pipe.cache.hits > 0 and store.device.used <= store.device.budget
 
+
+
+def test_records_read_every_step_stay_on_the_host_while_new_ones_come_and_go(tmp_path):
+    """The host keeps what decode reads again: a read re-ranks the records it finds, so a record
+    read every step outranks records promoted from disk after it was (not first in, first out)."""
+    from tierkv.config import TierConfig
+    from tierkv.storage.store import KVStore
+
+    record = 4096
+    config = TierConfig(device_budget=2 * record, host_budget=4 * record, disk_dir=tmp_path,
+                        device="cpu")
+    keys = [RecordKey("doc", 0, i * 16, (i + 1) * 16) for i in range(12)]
+    with KVStore(SHAPE, config) as store:
+        for i, key in [*enumerate(keys)][4:] + [*enumerate(keys)][:4]:  # the last four stay
+            store.put(key, make_block(key, seed=i), importance=1.0, codec="raw")
+        hot = keys[0]
+        assert hot in store.host and store.where(keys[4]) == "disk"
+        with Pipeline(store, CPU) as pipe:
+            for step, new in enumerate(keys[4:], start=2):
+                plan = FetchPlan([(0, [hot, new])], default_importance=float(step))
+                assert_identical(pipe.submit(plan).wait(0), sync_reference(store, [hot, new]))
+                assert hot in store.host, f"the record read every step spilled at step {step}"
+                assert new in store.host  # promoted: the coldest others made room
 
 def test_metrics_steps_and_loose_records():
     metrics = Metrics()

@@ -171,6 +171,20 @@ def test_ranking_cold_share_counts_ties_as_hot():
     assert ranks.coldest(set(), exclude=keys[3]) is None
 
 
+
+def test_ranking_re_ranked_every_step_keeps_its_heap_small_and_its_order():
+    """Decode re-ranks the records it reads every step: the stale heap entries that leaves are
+    dropped, and the coldest is still the least recently ranked."""
+    ranks = Ranking()
+    keys = [_key(i) for i in range(8)]
+    for step in range(2000):
+        for i, key in enumerate(keys):
+            if i != 5 or step < 10:  # key 5 was last read at step 9
+                ranks.set(key, float(step))
+    assert len(ranks._heap) <= 2 * len(keys) + 1024
+    assert ranks.coldest(set(keys), exclude=None) == keys[5]
+    assert ranks.holds(keys[0]) and not ranks.holds(_key(99))
+
 def test_inputs_of_the_wrong_kind_are_named(tmp_path, make_block):
     from tierkv.storage import KVBlock, StorageError
 

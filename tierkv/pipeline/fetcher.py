@@ -88,8 +88,8 @@ class Pipeline:
 
     Parameters
     ----------
-    store : KVStore, its ``device``, ``host`` and ``disk`` tiers, ``where``, ``shape`` and
-        ``controller``.
+    store : KVStore, its ``device``, ``host`` and ``disk`` tiers, ``where``, ``promote``,
+        ``touch``, ``shape`` and ``controller``.
     device : torch.device the blocks are delivered on.
     threads : worker threads; each fetches one group at a time, in plan order.
     metrics : Metrics to record into (a new one when None), readable as ``pipeline.metrics``.

@@ -31,6 +31,12 @@ class Ranking:
         self._rank[key] = rank
         heapq.heappush(self._heap, (*rank, key))
         bisect.insort(self._order, rank)
+        if len(self._heap) > 2 * len(self._rank) + 1024:  # re-ranked keys left stale entries
+            self._heap = [(*r, k) for k, r in self._rank.items()]
+            heapq.heapify(self._heap)
+
+    def holds(self, key: RecordKey) -> bool:
+        return key in self._rank
 
     def discard(self, key: RecordKey) -> None:
         rank = self._rank.pop(key, None)

@@ -223,6 +223,19 @@ class KVStore:
                 raise KeyError(key)
             self._ranks.set(key, _importance(value))
 
+    def touch(self, ranks) -> None:
+        """Re-rank held records read just now: ``ranks`` is (RecordKey, importance) pairs.
+
+        Without it a record read from the host every step keeps the rank it entered with and
+        spills before the records promoted after it (first in, first out, not least recently
+        read). Keys no tier holds any more (removed since they were looked up) are skipped.
+        """
+        ranks = [(key, _importance(value)) for key, value in ranks]
+        with self._lock:
+            for key, value in ranks:
+                if self._ranks.holds(key):
+                    self._ranks.set(key, value)
+
     # -- reading ------------------------------------------------------------------------
     def _tiers(self):
         return [t for t in (self.device, self.host, self.disk) if t is not None]
