@@ -4,6 +4,7 @@ import json
 import pytest
 
 from bench.report import BEGIN, END, fmt, load, render, update_readme
+from tierkv.cli import BENCH_DIR, benchmarks
 
 MACHINE = {"cpus": 2, "gpu": None, "torch": "2.x", "platform": "Linux", "when": "today"}
 
@@ -97,3 +98,12 @@ def test_load_reads_every_json(tmp_path):
     (tmp_path / "storage.json").write_text(json.dumps({"read_ratio": 1.0}))
     (tmp_path / "notes.txt").write_text("ignored")
     assert load(tmp_path) == {"storage": {"read_ratio": 1.0}}
+
+
+def test_the_readme_runs_every_benchmark_with_its_options():
+    """bench/README.md's command table has a row for every benchmark of bench/, with
+    ``[--quick]`` when the benchmark takes it."""
+    readme = (BENCH_DIR / "README.md").read_text()
+    for name in benchmarks():
+        quick = " [--quick]" if "--quick" in (BENCH_DIR / f"{name}.py").read_text() else ""
+        assert f"| `python -m bench.{name}{quick}" in readme, f"bench.{name} has no row"

@@ -1,13 +1,15 @@
 """The ``tierkv`` command: ``generate``, ``inspect``, ``calibrate`` and ``bench``.
 
 Every command checks its inputs before it loads a model. A failure prints one line,
-``tierkv: error: ...``, and exits with status 2; ``--debug`` shows the traceback instead.
+``tierkv: error: ...``, and exits with status 2; ``--debug`` shows the traceback instead. When
+the reader of its output goes away (``tierkv inspect DIR | head``), it exits with status 141.
 """
 from __future__ import annotations
 
 import argparse
 import errno
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ from .hf.model import ModelLoadError
 from .storage.base import CorruptRecordError, StorageError
 
 EXIT_ERROR = 2
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports of a writer killed by SIGPIPE
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 _NOT_BENCHMARKS = {"__init__", "common", "report"}
 
@@ -92,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--model", required=True, help="smollm2-135m or a local model directory")
     calibrate.add_argument("--out", type=Path, help="profile directory (default: the shipped "
                            "profiles of tierkv)")
+    calibrate.add_argument("--force", action="store_true", help="replace a profile of the same "
+                           "name made for another model (without --out)")
     calibrate.set_defaults(run=run_calibrate)
     bench = commands.add_parser("bench", parents=[debug], help="run a benchmark from bench/ "
                                 f"({', '.join(benchmarks()) or 'none found'})")
@@ -110,10 +115,38 @@ def run_calibrate(args) -> int:
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out}: exists and is not a directory")
     model, tok = load_model(args.model)
+    if args.out is None and not args.force:
+        _check_replaceable_profile(PROFILES / f"{model_id(model)}.json", model, args.model)
     profile = calibrate(model, tok)
     path = save_profile(profile, model_id(model), args.out or PROFILES)
     print(f"profile of {model_id(model)} written to {path}")
     return 0
+
+
+def _check_replaceable_profile(path: Path, model, name: str) -> None:
+    """Refuse to replace the profile at ``path`` when it was made for another model than the one
+    ``--model name`` loaded: shipped for the model of that name (``name`` is a local directory
+    named like it), recording another model, or not fitting this one."""
+    from .hf.model import SHIPPED
+    from .hf.profile import load_profile, model_id
+
+    if not path.is_file():
+        return
+    this = model_id(model)
+    try:
+        recorded = load_profile(model, path.parent).get("model", this)
+    except ValueError:
+        recorded = None
+    if this in SHIPPED and name != this:
+        why = f"shipped for the {this} model, not this local directory"
+    elif recorded is None:
+        why = "that does not fit this model"
+    elif recorded != this:
+        why = f"made for the model {recorded!r}"
+    else:
+        return
+    raise ValueError(f"--model {name}: {path} is a profile {why}; write this model's elsewhere "
+                     "with --out DIR, or replace it with --force")
 
 
 def run_bench(args) -> int:
@@ -149,10 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tierkv`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        status = args.run(args)
+        sys.stdout.flush()  # here, so that a reader gone away is caught below
+        return status
     except BrokenPipeError:  # the reader of our output went away (``tierkv inspect DIR | head``)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no noise at exit
+        return EXIT_BROKEN_PIPE
     except (ValueError, ModelLoadError, StorageError, OSError, KeyboardInterrupt) as exc:
         if args.debug:
             raise

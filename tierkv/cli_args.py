@@ -51,3 +51,20 @@ def check_store_dir(path: Path, option: str, segments_enough: bool = False) -> N
                          f"document (a run that never saved, or a crash before the save ended); "
                          f"'tierkv inspect {path}' shows its records")
     raise ValueError(f"{option} {path}: not a tierkv store (no {MANIFEST})")
+
+
+def saved_doc(path: Path, doc: str | None) -> str:
+    """The saved document of ``--load`` to answer about: ``--doc``, or the only one there."""
+    from .hf.persist import saved_docs
+
+    docs, damage = saved_docs(path)
+    if not docs:
+        raise ValueError(f"--load {path}: holds no saved document" + (
+            damage or " (the disk tier of a run without --save?); save one with --save DIR"))
+    if doc is None and len(docs) > 1:
+        raise ValueError(f"--load {path}: holds {len(docs)} saved documents ({', '.join(docs)}): "
+                         "choose one with --doc NAME")
+    if doc is not None and doc not in docs:
+        raise ValueError(f"--doc {doc}: {path} holds no saved document of that name (it holds "
+                         f"{', '.join(docs)}){damage}")
+    return doc or docs[0]

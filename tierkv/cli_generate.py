@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .cli_args import check_new_dir, check_store_dir, read_document
+from .cli_args import check_new_dir, check_store_dir, read_document, saved_doc
 from .cli_report import TimedStreamer, kv_rows, print_table, run_rows
 from .config import FETCH_UNITS, SelectConfig
+from .shapes import text_config
 from .textgen import document_text, question_text
 
 DEFAULT_POLICY = "tierkv"
@@ -35,6 +36,8 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--file", type=Path, help="the document, a UTF-8 text file")
     source.add_argument("--load", type=Path, metavar="DIR", help="a document saved by --save "
                         "(no prefill)")
+    parser.add_argument("--doc", metavar="NAME", help="with --load: the saved document of DIR to "
+                        "ask about, when DIR holds several")
     parser.add_argument("--question", required=True, help="what to ask about the document")
     parser.add_argument("--answer-prefix", default="", metavar="TEXT",
                         help="the first words of the answer, given to the model")
@@ -68,17 +71,24 @@ def run_generate(args) -> int:
             raise ValueError("--save with --load: the document is saved already")
         if args.disk_dir is not None:
             raise ValueError("--disk-dir with --load: the saved directory is the disk tier")
+    elif args.doc is not None:
+        raise ValueError("--doc without --load: it names a saved document of --load DIR")
     if args.save is not None:
         check_new_dir(args.save, "--save")
     if args.disk_dir is not None and args.disk_dir != args.save:
         check_new_dir(args.disk_dir, "--disk-dir")  # a used one would mix in another run's records
     if not args.question.strip():
         raise ValueError("--question is empty")
+    doc = saved_doc(args.load, args.doc) if args.load is not None else None
     with ExitStack() as stack:
         model, tok = _load(args.model)
-        cache, figures = _document_cache(args, model, tok, document, stack)
-        stack.callback(cache.close)
-        figures.update(_answer(args, model, tok, cache))
+        turn = tok(question_text(tok, args.question, args.answer_prefix), return_tensors="pt",
+                   add_special_tokens=False)["input_ids"]
+        if args.load is not None:
+            cache, figures = _reopen(args, model, doc, turn, stack)
+        else:
+            cache, figures = _prefilled(args, model, tok, document, turn, stack)
+        figures.update(_answer(args, model, tok, cache, turn))
         print_table(run_rows(figures) + kv_rows(cache))
     return 0
 
@@ -97,32 +107,50 @@ def _load(name: str):
     return model, tok
 
 
-def _document_cache(args, model, tok, document, stack: ExitStack):
-    """A TieredCache holding the document: prefilled now (and saved with --save), or reopened."""
+def _reopen(args, model, doc: str, turn: torch.Tensor, stack: ExitStack):
+    """The saved document ``doc`` of --load, reopened as a TieredCache (closed with ``stack``)."""
     from .config import TierConfig
     from .hf.cache import TieredCache
     from .hf.persist import saved_select
 
-    if args.load is not None:
-        t0 = time.perf_counter()
-        config = TierConfig(args.device_budget, args.host_budget, disk_dir=args.load)
-        select = _select(args, lambda: saved_select(args.load))
-        cache = TieredCache.open(model, args.load, config, args.policy, select=select)
-        return cache, {"reopen_s": time.perf_counter() - t0, "document_tokens": cache.token_ids.shape[1]}
+    t0 = time.perf_counter()
+    config = TierConfig(args.device_budget, args.host_budget, disk_dir=args.load)
+    select = _select(args, lambda: saved_select(args.load, doc))
+    cache = TieredCache.open(model, args.load, config, args.policy, doc=doc, select=select)
+    stack.callback(cache.close)
+    check_context(model, cache.token_ids.shape[1], turn.shape[1], f"--load {args.load}")
+    return cache, {"reopen_s": time.perf_counter() - t0, "document_tokens": cache.token_ids.shape[1]}
+
+
+def _prefilled(args, model, tok, document: str, turn: torch.Tensor, stack: ExitStack):
+    """A TieredCache holding the document of --file, prefilled now (and saved with --save);
+    closed with ``stack``."""
+    from .config import TierConfig
+    from .hf.cache import TieredCache
+
+    ids = tok(document_text(tok, document), return_tensors="pt")["input_ids"]
+    check_context(model, ids.shape[1], turn.shape[1], f"--file {args.file}")
     disk_dir = args.disk_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="tierkv-"))
     config = TierConfig(args.device_budget, args.host_budget, disk_dir=disk_dir)
     cache = TieredCache(model, config, args.policy or DEFAULT_POLICY,
                         select=_select(args, SelectConfig) or SelectConfig())
-    try:
-        ids = tok(document_text(tok, document), return_tensors="pt")["input_ids"]
-        seconds = prefill(model, cache, ids)
-        if args.save is not None:
-            cache.save(args.save)
-            print(f"saved {ids.shape[1]} document tokens to {args.save}", file=sys.stderr)
-    except BaseException:
-        cache.close()
-        raise
+    stack.callback(cache.close)
+    seconds = prefill(model, cache, ids)
+    if args.save is not None:
+        if args.save.resolve() != Path(disk_dir).resolve():  # written to since it was checked?
+            check_new_dir(args.save, "--save")
+        cache.save(args.save)
+        print(f"saved {ids.shape[1]} document tokens to {args.save}", file=sys.stderr)
     return cache, {"prefill_s": seconds, "document_tokens": ids.shape[1]}
+
+
+def check_context(model, document: int, question: int, source: str) -> None:
+    """Refuse a document and question longer than the model's context, before the model runs."""
+    context = getattr(text_config(model.config), "max_position_embeddings", None)
+    if context is not None and document + question > context:
+        raise ValueError(f"{source}: the document is {document} tokens and the question "
+                         f"{question}, {document + question} in all: more than the model's "
+                         f"context of {context} tokens")
 
 
 def _select(args, base) -> SelectConfig | None:
@@ -132,10 +160,8 @@ def _select(args, base) -> SelectConfig | None:
     return dataclasses.replace(base(), **given) if given else None
 
 
-def _answer(args, model, tok, cache) -> dict:
-    """Stream the answer to stdout; timings and disk reads of the answer."""
-    turn = tok(question_text(tok, args.question, args.answer_prefix), return_tensors="pt",
-               add_special_tokens=False)["input_ids"]
+def _answer(args, model, tok, cache, turn: torch.Tensor) -> dict:
+    """Stream the answer to ``turn`` (the question's ids) to stdout; its timings and disk reads."""
     ids = torch.cat([cache.token_ids, turn], dim=1)
     streamer = TimedStreamer(tok, cache)
     sys.stdout.write(args.answer_prefix)

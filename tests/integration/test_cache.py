@@ -631,6 +631,27 @@ def test_closing_on_a_full_disk_still_lets_the_document_go(model_and_tok, tmp_pa
         assert again.doc == doc and torch.equal(again.token_ids, ids)
 
 
+def test_a_cache_that_fails_to_build_lets_its_document_go(model_and_tok, tmp_path, monkeypatch):
+    """A construction that fails after it claimed its document (here: the pipeline cannot
+    start) releases it, and the tiers: the document opens again in this same process."""
+    from tierkv.hf import cache as hf_cache
+
+    model, tok = model_and_tok
+    ids, doc = saved_document(model, tok, tmp_path)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(hf_cache, "Pipeline", broken)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        TieredCache.open(model, tmp_path, doc=doc)
+    monkeypatch.undo()
+    assert not list(tmp_path.glob("tierkv.doc-*.lock"))
+    assert model.config._attn_implementation == "sdpa"
+    with TieredCache.open(model, tmp_path, doc=doc) as cache:
+        assert torch.equal(cache.token_ids, ids)
+
+
 def test_reopening_a_document_again_and_again_does_not_grow_its_directory(model_and_tok, tmp_path):
     """Each turn over a reopened document writes records that close() drops; their space is
     reclaimed then, so the segments stay within twice the live records (``reclaim``)."""
@@ -673,6 +694,7 @@ def test_a_device_budget_too_small_says_what_it_must_hold(model_and_tok):
                                                 r"raise the device budget"):
             with torch.no_grad():
                 model(ids, past_key_values=cache, use_cache=True)
+        assert "a smaller SelectConfig.budget, --budget, brings fewer" in cache._needs("fetch:0")
 
 
 def test_continuing_without_the_cached_ids_is_named(model_and_tok):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -22,14 +23,19 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 SEED = 1  # at 700 tokens SmolLM2 finds this document's pass key through the tierkv policy
 BUDGETS = ["--device-budget", "8MB", "--host-budget", "8MB", "--max-new-tokens", "6"]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                                 os.environ.get("PYTHONPATH")]))}
 
 
 def tierkv(*args, cwd: Path) -> subprocess.CompletedProcess:
     """Run ``python -m tierkv.cli ARGS`` in ``cwd``; the completed process (text output)."""
-    return subprocess.run([sys.executable, "-m", "tierkv.cli", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+    return subprocess.run(command(*args), cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env=ENV)
+
+
+def command(*args) -> list[str]:
+    """The command line of ``python -m tierkv.cli ARGS``."""
+    return [sys.executable, "-m", "tierkv.cli", *map(str, args)]
 
 
 def last_line(text: str) -> str:
@@ -223,3 +229,177 @@ def test_full_disk_and_corrupt_messages():
     fetch = StorageError("group 3: record doc0/g3/[0,16) could not be fetched")
     fetch.__cause__ = CorruptRecordError("crc mismatch")
     assert describe(fetch).startswith("corrupt store: group 3")
+
+
+def no_model(name):
+    pytest.fail(f"the model {name!r} was loaded: the input error should have come first")
+
+
+@pytest.fixture(scope="module")
+def two_docs(model_and_tok, tmp_path_factory) -> tuple[Path, dict[str, int]]:
+    """A directory holding two saved documents, ``short`` and ``long``: (path, tokens of each)."""
+    import torch
+
+    from tierkv import TierConfig, TieredCache
+
+    model, tok = model_and_tok
+    path, tokens = tmp_path_factory.mktemp("two") / "saved", {}
+    for doc, text in (("short", "A short text. " * 20), ("long", "A longer text. " * 40)):
+        ids = tok(text, return_tensors="pt")["input_ids"]
+        with TieredCache(model, TierConfig(device_budget="8MB", host_budget="64MB"), "full",
+                         doc=doc) as cache, torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+            cache.save(path)
+        tokens[doc] = ids.shape[1]
+    return path, tokens
+
+
+def test_load_of_several_documents_takes_doc(two_docs, monkeypatch, capsys, tmp_path):
+    """With several saved documents --load needs --doc, and says so before the model loads,
+    naming them; an unknown --doc names those there are; --doc NAME reopens that one."""
+    from tierkv import cli_generate
+
+    path, tokens = two_docs
+    args = ["generate", "--load", str(path), "--question", "How long is the text?", *BUDGETS]
+    monkeypatch.setattr(cli_generate, "_load", no_model)
+    status, err = run_main(args, capsys)
+    assert status == 2 and last_line(err) == (f"tierkv: error: --load {path}: holds 2 saved "
+                                              "documents (long, short): choose one with --doc NAME")
+    status, err = run_main([*args, "--doc", "medium"], capsys)
+    assert status == 2 and last_line(err) == (f"tierkv: error: --doc medium: {path} holds no saved "
+                                              "document of that name (it holds long, short)")
+    (tmp_path / "doc.txt").write_text("A text.")
+    status, err = run_main(["generate", "--file", str(tmp_path / "doc.txt"), "--doc", "short",
+                            "--question", "q"], capsys)
+    assert status == 2 and "--doc without --load" in last_line(err)
+    monkeypatch.undo()
+    status, err = run_main([*args, "--doc", "short"], capsys)
+    assert status == 0, err
+    assert f"{tokens['short']} tokens in" in err and "(no prefill)" in err
+
+
+def test_load_of_a_damaged_manifest_says_where_it_went(saved, monkeypatch, capsys, tmp_path):
+    """Opening a directory whose manifest is damaged sets it aside: --load says so, and where,
+    before the model loads, then and on the next run."""
+    from tierkv import cli_generate
+
+    work, fact, _ = saved
+    broken = tmp_path / "broken"
+    shutil.copytree(work / "saved", broken)
+    (broken / "manifest.safetensors").write_bytes(b"\0" * 64)
+    monkeypatch.setattr(cli_generate, "_load", no_model)
+    for _ in range(2):
+        status, err = run_main(["generate", "--load", str(broken), "--question", "q"], capsys)
+        assert status == 2 and (f"holds no saved document: its manifest was found damaged and "
+                                f"moved aside to {broken / 'manifest.corrupt-1.safetensors'}"
+                                in last_line(err)), err
+    assert (broken / "manifest.corrupt-1.safetensors").read_bytes() == b"\0" * 64
+
+
+def test_load_of_a_run_never_saved_speaks_of_options(monkeypatch, capsys, tmp_path):
+    """A run's disk tier without a saved document: --load names the option that saves one, not
+    the library call."""
+    import torch
+
+    from tierkv import cli_generate
+    from tierkv.storage import KVBlock, RecordKey
+
+    with DiskTier(tmp_path / "run") as tier:
+        tier.put(RecordKey("doc0", 0, 0, 4), KVBlock(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)))
+    monkeypatch.setattr(cli_generate, "_load", no_model)
+    status, err = run_main(["generate", "--load", str(tmp_path / "run"), "--question", "q"], capsys)
+    assert status == 2 and last_line(err).endswith("holds no saved document (the disk tier of a "
+                                                   "run without --save?); save one with --save DIR")
+
+
+def test_save_into_a_directory_written_during_the_prefill(case, monkeypatch, capsys, tmp_path):
+    """--save DIR was empty when checked; another run that writes there during the prefill is
+    met by the CLI's own check, not by the library's advice."""
+    import torch
+
+    from tierkv import cli_generate
+    from tierkv.storage import KVBlock, RecordKey
+
+    work, fact = case
+    monkeypatch.chdir(work)
+    save, prefill = tmp_path / "save", cli_generate.prefill
+
+    def raced(model, cache, ids):
+        seconds = prefill(model, cache, ids)
+        with DiskTier(save) as other:
+            other.put(RecordKey(cache.doc, 0, 0, 4), KVBlock(torch.randn(1, 2, 4, 8),
+                                                             torch.randn(1, 2, 4, 8)))
+        return seconds
+
+    monkeypatch.setattr(cli_generate, "prefill", raced)
+    status, err = run_main(["generate", "--file", "doc.txt", "--question", fact.question,
+                            "--save", str(save), *BUDGETS], capsys)
+    assert status == 2 and last_line(err) == (f"tierkv: error: --save {save}: exists and is not "
+                                              "an empty directory"), err
+
+
+def test_a_document_past_the_models_context_is_refused_before_prefill(model_and_tok, monkeypatch,
+                                                                      capsys, tmp_path):
+    """A document longer than SmolLM2's 8192-token context: refused, naming both, before the
+    prefill would spend its time on it."""
+    from tierkv import cli_generate
+
+    _, tok = model_and_tok
+    fact = passkey_fact(random.Random(SEED))
+    (tmp_path / "long.txt").write_text(make_document(tok, 9600, SEED, [fact]))  # ~8.7K tokens
+    monkeypatch.setattr(cli_generate, "prefill", lambda *a: pytest.fail("prefilled"))
+    status, err = run_main(["generate", "--file", str(tmp_path / "long.txt"), "--question",
+                            fact.question, *BUDGETS], capsys)
+    assert status == 2, err
+    assert re.search(r"--file \S+long.txt: the document is 8\d\d\d tokens and the question \d+, "
+                     r"\d+ in all: more than the model's context of 8192 tokens$", last_line(err))
+
+
+def test_inspect_into_a_closed_pipe_exits_141_quietly(tmp_path):
+    """``tierkv inspect DIR | head`` whose reader went away: status 141, as a shell reports a
+    writer killed by SIGPIPE (1 would say the store is not whole), and no noise on stderr."""
+    import torch
+
+    from tierkv.storage import KVBlock, RecordKey
+
+    with DiskTier(tmp_path / "store") as tier:
+        tier.put(RecordKey("doc0", 0, 0, 4), KVBlock(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)))
+    run = subprocess.Popen(command("inspect", tmp_path / "store"), cwd=tmp_path, env=ENV,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run.stdout.close()  # long before it writes: importing torch takes a while
+    err = run.stderr.read()
+    assert run.wait(timeout=300) == 141, err
+    assert "BrokenPipe" not in err and "Exception ignored" not in err, err
+
+
+def test_calibrate_keeps_a_profile_of_another_model(model_and_tok, monkeypatch, capsys, tmp_path):
+    """A local model directory named like the shipped model does not replace its profile, unless
+    --out says where this one goes or --force says to replace it."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tierkv.hf import calibrate, profile
+
+    _, tok = model_and_tok
+    local = tmp_path / "smollm2-135m"
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32,
+                                 num_hidden_layers=4, num_attention_heads=2,
+                                 num_key_value_heads=1)).save_pretrained(local)
+    tok.save_pretrained(local)
+    shipped = tmp_path / "profiles"
+    shutil.copytree(profile.PROFILES, shipped)
+    before = (shipped / "smollm2-135m.json").read_text()
+    monkeypatch.setattr(profile, "PROFILES", shipped)
+    mine = {"model": "smollm2-135m", "filter_layers": [1]}
+    monkeypatch.setattr(calibrate, "calibrate", lambda model, tok: mine)
+    status, err = run_main(["calibrate", "--model", str(local)], capsys)
+    assert status == 2 and last_line(err) == (
+        f"tierkv: error: --model {local}: {shipped / 'smollm2-135m.json'} is a profile shipped "
+        "for the smollm2-135m model, not this local directory; write this model's elsewhere with "
+        "--out DIR, or replace it with --force"), err
+    assert (shipped / "smollm2-135m.json").read_text() == before
+    assert main(["calibrate", "--model", str(local), "--out", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "smollm2-135m.json").read_text()) == mine
+    assert main(["calibrate", "--model", str(local), "--force"]) == 0
+    assert json.loads((shipped / "smollm2-135m.json").read_text()) == mine

@@ -111,9 +111,14 @@ class TieredCache(Cache):
         self.store = KVStore(self.shape, config, controller)
         try:
             self.doc = claim_doc(self.store.disk, doc, _resume)
+            self._build(config, controller)
+            self._install(model)
         except BaseException:
-            self.store.close()
+            self._let_go()
             raise
+
+    def _build(self, config: TierConfig, controller) -> None:
+        """What the cache needs beside its store: indexes, pipeline, windows, counters."""
         self.indexes = [GroupIndex(self.doc, g, self.shape.kv_heads, self.shape.head_dim, self.chunks)
                         for g in range(len(self.groups))]
         if controller is not None:  # prefill writes come before any read measures the disk
@@ -136,8 +141,14 @@ class TieredCache(Cache):
         self.prefill_blocks = None  # a group's sealed records on the host during a new prompt
         self.prefill_ahead = None  # the next group's, being read (prefill.py)
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-prefill")
-        self._model = model
-        self._install(model)
+
+    def _let_go(self) -> None:
+        """Undo a construction that failed part-way: the threads, the tiers, the document held."""
+        if hasattr(self, "reader"):
+            self.reader.shutdown(wait=True, cancel_futures=True)
+        if hasattr(self, "pipeline"):
+            self.pipeline.close()
+        self.store.close()
 
     # -- transformers' side ------------------------------------------------------------
     def append(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -222,7 +233,7 @@ class TieredCache(Cache):
             return (f"every layer keeps its recent tokens on the device until they are sealed, "
                     f"a new prompt's whole during prefill ({per_token} B a token and layer)")
         return ("a decode step brings each layer group's chosen chunks to the device beside the "
-                "recent windows (a smaller SelectConfig.budget brings fewer)")
+                "recent windows (a smaller SelectConfig.budget, --budget, brings fewer)")
 
     def _decode(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         if layer == 0:
@@ -385,6 +396,7 @@ class TieredCache(Cache):
 
     # -- lifetime -----------------------------------------------------------------------
     def _install(self, model) -> None:
+        self._model = model
         self._attn_name = f"tierkv_{id(self):x}"
         AttentionInterface.register(self._attn_name, self._attention)
         self._previous_attn = model.config._attn_implementation

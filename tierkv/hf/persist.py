@@ -16,6 +16,7 @@ import torch
 from ..config import ChunkConfig, SelectConfig, TierConfig
 from ..shapes import text_config
 from ..storage.disk import DiskTier
+from ..storage.manifest import MANIFEST_ASIDE
 
 FORMAT_VERSION = 1
 
@@ -113,24 +114,51 @@ def _arrays(cache) -> dict[str, torch.Tensor]:
 
 def read_meta(path, doc: str | None = None) -> tuple[str, dict, dict]:
     """(doc, meta, arrays) of a saved document; the only one in ``path`` when ``doc`` is None."""
-    path = _as_path(path, "path")
-    if not path.is_dir():
-        raise ValueError(f"saved document directory {str(path)!r} "
-                         + ("is not a directory" if path.exists() else "does not exist"))
-    with DiskTier(path) as disk:
-        docs = [d for d in disk.docs() if "format" in _meta_or_empty(disk, d)]
+    with DiskTier(_saved_dir(path)) as disk:
+        docs, damage = _saved(disk), _damage(disk)
         if doc is None:
             if not docs:
-                raise ValueError(f"{path} holds no saved document (save one with cache.save)")
+                raise ValueError(f"{path} holds no saved document"
+                                 + (damage or " (save one with cache.save)"))
             if len(docs) > 1:
-                raise ValueError(f"{path} holds {len(docs)} saved documents ({', '.join(docs)}): name one")
+                raise ValueError(f"{path} holds {len(docs)} saved documents ({', '.join(docs)}): "
+                                 "name one (doc=)")
             doc = docs[0]
         if doc not in docs:
-            raise ValueError(f"{path} has no saved document {doc!r} (it has: {', '.join(docs) or 'none'})")
+            raise ValueError(f"{path} has no saved document {doc!r} (it has: "
+                             f"{', '.join(docs) or 'none'}){damage}")
         meta, arrays = disk.doc_meta(doc)
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"{path}: saved with format {meta.get('format')}, this tierkv reads {FORMAT_VERSION}")
     return doc, meta, arrays
+
+
+def saved_docs(path) -> tuple[list[str], str]:
+    """(names of the saved documents in directory ``path``, sorted; "" or, when a damaged
+    manifest of it was moved aside, losing the documents it listed, where it went)."""
+    with DiskTier(_saved_dir(path)) as disk:
+        return _saved(disk), _damage(disk)
+
+
+def _saved_dir(path) -> Path:
+    path = _as_path(path, "path")
+    if not path.is_dir():
+        raise ValueError(f"saved document directory {str(path)!r} "
+                         + ("is not a directory" if path.exists() else "does not exist"))
+    return path
+
+
+def _saved(disk: DiskTier) -> list[str]:
+    return [d for d in disk.docs() if "format" in _meta_or_empty(disk, d)]
+
+
+def _damage(disk: DiskTier) -> str:
+    """"" or where a damaged manifest of ``disk`` went, now or before (opening sets it aside)."""
+    aside = sorted(disk.path.glob(MANIFEST_ASIDE.format("*")), key=lambda p: p.stat().st_mtime)
+    if not aside:
+        return ""
+    return (f": its manifest was found damaged and moved aside to {aside[-1]}, so the documents "
+            "it listed cannot be reopened (their records are intact); save them again")
 
 
 def _as_path(path, name: str) -> Path:

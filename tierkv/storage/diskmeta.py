@@ -12,8 +12,8 @@ import os
 
 import torch
 
-from .manifest import INDEX_FIELDS, MANIFEST, MANIFEST_TMP, CorruptManifestError, \
-    check_array_name, check_index, encode_manifest, read_manifest, write_atomic
+from .manifest import INDEX_FIELDS, MANIFEST, MANIFEST_ASIDE, MANIFEST_TMP, \
+    CorruptManifestError, check_array_name, check_index, encode_manifest, read_manifest, write_atomic
 
 
 class DocMeta:
@@ -137,7 +137,7 @@ class DocMeta:
     def _set_aside(self) -> str:
         n = 1
         while True:
-            name = f"manifest.corrupt-{n}.safetensors"
+            name = MANIFEST_ASIDE.format(n)
             try:
                 os.stat(name, dir_fd=self._files.dir_fd, follow_symlinks=False)
                 n += 1

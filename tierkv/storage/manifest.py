@@ -22,6 +22,7 @@ from .base import CorruptRecordError, NewerFormatError, StorageError
 
 MANIFEST = "manifest.safetensors"
 MANIFEST_TMP = MANIFEST + ".tmp"
+MANIFEST_ASIDE = "manifest.corrupt-{}.safetensors"  # a damaged manifest, set aside as evidence
 FORMAT = "tierkv-manifest"
 VERSION = "1"
 INDEX_FIELDS = ("segment", "offset", "length", "group", "start", "end", "codec", "seq", "doc")
