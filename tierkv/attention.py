@@ -45,15 +45,20 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
             continue
         probs = _probs(qb, kb, scaling, allowed)  # (kv, g, bt, stop)
         mass[:, :stop] += probs.sum(dim=(1, 2))
-        out[:, b0:b1] = (probs.to(vb.dtype) @ vb.unsqueeze(1)).reshape(heads, b1 - b0, dim)
+        out[:, b0:b1] = _weighted(probs, vb).reshape(heads, b1 - b0, dim)
     return out, mass
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, scaling: float, allowed=None, bias=None) -> torch.Tensor:
-    """Softmax probabilities in fp32, shape (kv_heads, group, t, n)."""
-    kv_heads = k.shape[0]
-    qg = q.reshape(kv_heads, q.shape[0] // kv_heads, q.shape[1], q.shape[2]).float()
-    scores = (qg @ k.float().transpose(1, 2).unsqueeze(1)) * scaling
+    """Softmax probabilities in fp32, shape (kv_heads, group, t, n).
+
+    The query heads of a GQA group are stacked as rows of one matrix product per kv head: a
+    product broadcasting the keys over the group copies them once per query head (8 ms, not 0.7,
+    for 9 query heads over 3.3K keys on a 2-core CPU)."""
+    kv_heads, n = k.shape[0], k.shape[1]
+    group, t = q.shape[0] // kv_heads, q.shape[1]
+    qg = q.reshape(kv_heads, group * t, q.shape[2]).float()
+    scores = torch.bmm(qg, k.float().transpose(1, 2)).mul_(scaling).view(kv_heads, group, t, n)
     if bias is not None:
         scores = scores + bias
     if allowed is not None:
@@ -84,8 +89,14 @@ def scored_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     out : Tensor, shape (q_heads, 1, head_dim); probs : Tensor, shape (kv_heads, group, n), fp32.
     """
     probs = _probs(q, k, scaling, allowed, bias)
-    out = probs.to(v.dtype) @ v.unsqueeze(1)
-    return out.reshape(q.shape), probs[:, :, 0]
+    return _weighted(probs, v).reshape(q.shape), probs[:, :, 0]
+
+
+def _weighted(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``probs`` (kv_heads, group, t, n) times ``v`` (kv_heads, n, head_dim): (kv_heads, group * t,
+    head_dim), one matrix product per kv head (no copy of ``v`` per query head)."""
+    kv_heads, group, t, n = probs.shape
+    return torch.bmm(probs.reshape(kv_heads, group * t, n).to(v.dtype), v)
 
 
 class DecodeAccumulator:
