@@ -107,3 +107,28 @@ def check_args(model, config, select, chunks, prefill_block, doc) -> None:
         raise ValueError(f"prefill_block={prefill_block!r}: must be a positive integer")
     if doc is not None:
         RecordKey(doc, 0, 0, 1)  # a ValueError naming it when records could not carry it
+
+
+def check_forward(held: int, window: int | None, args, kwargs) -> None:
+    """Refuse a forward pass (the model's ``args``, ``kwargs``) that a cache holding ``held``
+    tokens would attend wrongly: masked tokens (padding), new tokens placed elsewhere than after
+    the held ones, or a context longer than the model's sliding ``window``."""
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
+        raise ValueError(f"attention_mask masks {int((mask == 0).sum())} of its {mask.numel()} "
+                         "tokens (padding?): a TieredCache attends every token of its one "
+                         "sequence; pass the ids unpadded, with no zeros in attention_mask")
+    positions = kwargs.get("position_ids")
+    if isinstance(positions, torch.Tensor) and positions.numel() and positions.dim() == 2 \
+            and int(positions[0, 0]) != held:
+        raise ValueError(f"the new tokens would sit at position {int(positions[0, 0])}, but the "
+                         f"cache holds {held}: generate was given fewer ids than the cache "
+                         "holds; pass cache.token_ids followed by the new tokens")
+    new = kwargs.get("input_ids", args[0] if args else None)
+    if new is None:
+        new = kwargs.get("inputs_embeds")
+    tokens = held + (new.shape[1] if isinstance(new, torch.Tensor) else 0)
+    if window is not None and tokens > window:
+        raise ValueError(f"{tokens} tokens pass the model's sliding window ({window}): its "
+                         "layers attend only that far back, while a TieredCache attends the "
+                         "whole context")

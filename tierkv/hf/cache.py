@@ -29,7 +29,7 @@ from ..shapes import KVShape
 from ..storage.base import KVBlock, TierFullError
 from ..storage.probe import read_bandwidth
 from ..storage.store import KVStore
-from .admit import check_args, claim_doc, on_model_device, sliding_window
+from .admit import check_args, check_forward, claim_doc, on_model_device, sliding_window
 from .groups import Fetch, GroupIndex
 from .prefill import prefill_attention
 from .profile import check_profile, load_profile
@@ -406,30 +406,11 @@ class TieredCache(Cache):
         model._tierkv_cache = weakref.ref(self)
 
     def _begin_forward(self, module, args, kwargs) -> None:
-        """Refuse, before any layer runs, what the cache would attend wrongly: masked tokens
-        (padding), a context longer than the model's sliding window, or anything after a forward
-        pass that failed part-way (``check_whole``)."""
+        """Refuse, before any layer runs, what the cache would attend wrongly
+        (``admit.check_forward``), or anything after a forward pass that failed part-way
+        (``check_whole``)."""
         self.check_whole()
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
-            raise ValueError(f"attention_mask masks {int((mask == 0).sum())} of its {mask.numel()} "
-                             "tokens (padding?): a TieredCache attends every token of its one "
-                             "sequence; pass the ids unpadded, with no zeros in attention_mask")
-        held = self.get_seq_length()
-        positions = kwargs.get("position_ids")
-        if isinstance(positions, torch.Tensor) and positions.numel() and positions.dim() == 2 \
-                and int(positions[0, 0]) != held:
-            raise ValueError(f"the new tokens would sit at position {int(positions[0, 0])}, but the "
-                             f"cache holds {held}: generate was given fewer ids than the cache "
-                             "holds; pass cache.token_ids followed by the new tokens")
-        new = kwargs.get("input_ids", args[0] if args else None)
-        if new is None:
-            new = kwargs.get("inputs_embeds")
-        tokens = held + (new.shape[1] if isinstance(new, torch.Tensor) else 0)
-        if self.sliding_window is not None and tokens > self.sliding_window:
-            raise ValueError(f"{tokens} tokens pass the model's sliding window "
-                             f"({self.sliding_window}): its layers attend only that far back, "
-                             "while a TieredCache attends the whole context")
+        check_forward(self.get_seq_length(), self.sliding_window, args, kwargs)
         self._in_forward = True
 
     def _record_ids(self, module, args) -> None:
