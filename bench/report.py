@@ -14,7 +14,8 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 BEGIN, END = "<!-- RESULTS:BEGIN -->", "<!-- RESULTS:END -->"
-ORDER = ("storage", "selection", "pipeline", "quality", "ceiling", "reopen", "decode", "scale")
+ORDER = ("storage", "codecs", "selection", "pipeline", "quality", "ceiling", "reopen", "decode",
+         "scale")
 
 
 def fmt(value, digits: int = 3) -> str:
@@ -32,6 +33,24 @@ def storage_rows(d: dict) -> list[tuple]:
             ("record read GB/s", d.get("record_read_gbps"), "DiskTier.get_many, same bytes"),
             ("read ratio", d.get("read_ratio"), "record / raw read speed (target >= 0.8)"),
             ("write ratio", d.get("write_ratio"), "record / raw write speed")]
+
+
+def codecs_rows(d: dict) -> list[tuple]:
+    """Per dtype and codec: ratio (with its error when lossy) and decode speed; the native
+    helpers' speedups over their Python fallbacks."""
+    rows = []
+    for dtype, codecs in d.get("codecs", {}).items():
+        for name, c in codecs.items():
+            err = c.get("rel_err")
+            rows.append((f"{dtype} {name} ratio", c.get("ratio"),
+                         f"raw / stored bytes; decode {fmt(c.get('decode_gbps'))} GB/s, encode "
+                         f"{fmt(c.get('encode_gbps'))} GB/s"
+                         + (f", relative error {fmt(err)}" if err else ", lossless")))
+    for name, n in d.get("native", {}).items():
+        rows.append((f"native {name} speedup", n.get("speedup"),
+                     f"{fmt(n.get('native_gbps'))} against {fmt(n.get('fallback_gbps'))} GB/s "
+                     "(Python fallback)"))
+    return rows
 
 
 def selection_rows(d: dict) -> list[tuple]:
@@ -149,8 +168,8 @@ def scale_rows(d: dict) -> list[tuple]:
     return rows
 
 
-RENDERERS = {"storage": storage_rows, "selection": selection_rows, "pipeline": pipeline_rows,
-             "quality": quality_rows, "ceiling": ceiling_rows, "reopen": reopen_rows,
+RENDERERS = {"storage": storage_rows, "codecs": codecs_rows, "selection": selection_rows,
+             "pipeline": pipeline_rows, "quality": quality_rows, "ceiling": ceiling_rows, "reopen": reopen_rows,
              "decode": decode_rows, "scale": scale_rows}
 
 

@@ -46,6 +46,20 @@ def test_render_rows_and_machine():
     assert table.count("Machine: 2 CPUs, no GPU") == 1   # one machine, described once
 
 
+
+def test_codecs_render_ratio_error_and_native_speedups():
+    table = render({"codecs": {
+        "codecs": {"float16": {"raw": {"ratio": 1.0, "rel_err": 0.0, "decode_gbps": 3.8,
+                                       "encode_gbps": 1.0},
+                               "int8": {"ratio": 1.78, "rel_err": 0.004, "decode_gbps": 0.03,
+                                        "encode_gbps": 0.02}}},
+        "native": {"shuffle": {"speedup": 8.3, "native_gbps": 15.1, "fallback_gbps": 1.8}}}})
+    assert "| codecs | float16 raw ratio | 1 | raw / stored bytes; decode 3.8 GB/s, encode 1 GB/s, " \
+           "lossless |" in table
+    assert "| codecs | float16 int8 ratio | 1.78 | " in table and "relative error 0.004 |" in table
+    assert "| codecs | native shuffle speedup | 8.3 | 15.1 against 1.8 GB/s (Python fallback) |" in table
+    assert "no renderer" not in table
+
 def test_render_orders_benchmarks():
     table = render(fake_results())
     first = [line.split("|")[1].strip() for line in table.splitlines()[2:] if line.startswith("| ")]
