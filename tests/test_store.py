@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -184,6 +185,33 @@ def test_ranking_re_ranked_every_step_keeps_its_heap_small_and_its_order():
     assert len(ranks._heap) <= 2 * len(keys) + 1024
     assert ranks.coldest(set(keys), exclude=None) == keys[5]
     assert ranks.holds(keys[0]) and not ranks.holds(_key(99))
+
+
+def test_touch_raises_ranks_never_lowers_them_and_waits_for_a_busy_store(tmp_path, make_block):
+    """A read ranks a record at least as hot as the read: a pinned record stays pinned and a read
+    without an importance (0) keeps the caller's; a read while the store is busy ranks once the
+    next decision needs it, and the reading thread does not wait."""
+    with _store(tmp_path) as store:
+        for i, imp in enumerate([2.0 ** 60, 2.0 ** 60, 5.0, 1.0]):
+            store.put(_key(i), make_block(_key(i)), importance=imp)
+        store.touch([(_key(0), 7.0), (_key(2), 0.0), (_key(3), 6.0), (_key(9), 8.0)])
+        assert [store._ranks.importance(_key(i)) for i in range(4)] == [2.0 ** 60, 2.0 ** 60, 5.0, 6.0]
+        assert not store._ranks.holds(_key(9))                   # no tier holds it: skipped
+        held, release = threading.Event(), threading.Event()
+
+        def busy():  # e.g. the main thread spilling to disk under the store's lock
+            with store._lock:
+                held.set()
+                release.wait(5)
+        worker = threading.Thread(target=busy)
+        worker.start()
+        held.wait(5)
+        store.touch([(_key(2), 9.0)])                            # returns at once
+        assert store._ranks.importance(_key(2)) == 5.0
+        release.set()
+        worker.join()
+        store.put(_key(4), make_block(_key(4)), importance=8.0)  # the spill ranks it first
+        assert store.where(_key(2)) == "host" and store.where(_key(3)) == "disk"
 
 def test_inputs_of_the_wrong_kind_are_named(tmp_path, make_block):
     from tierkv.storage import KVBlock, StorageError

@@ -312,6 +312,28 @@ def test_a_cache_that_fails_to_build_lets_its_document_go(model_and_tok, tmp_pat
         assert torch.equal(cache.token_ids, ids)
 
 
+
+def test_a_cache_that_fails_while_installing_gives_the_model_back(model_and_tok, monkeypatch):
+    """A construction that fails after it switched the model's attention to its own (here: a
+    hook cannot be registered) switches it back and registers nothing: the next cache works."""
+    from transformers import AttentionInterface
+
+    model, tok = model_and_tok
+    before = set(AttentionInterface._global_mapping)
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("no hooks today")
+
+    monkeypatch.setattr(model, "register_forward_pre_hook", refused)
+    with pytest.raises(RuntimeError, match="no hooks today"):
+        TieredCache(model, TierConfig(device_budget="8MB", host_budget="64MB"), "full")
+    monkeypatch.undo()
+    assert model.config._attn_implementation == "sdpa"
+    assert set(AttentionInterface._global_mapping) == before
+    ids = tok("A short text. " * 10, return_tensors="pt")["input_ids"]
+    with TieredCache(model, TierConfig(device_budget="8MB", host_budget="64MB"), "full") as cache:
+        assert generate(model, ids, cache, new=2).numel() == 2
+
 def test_reopening_a_document_again_and_again_does_not_grow_its_directory(model_and_tok, tmp_path):
     """Each turn over a reopened document writes records that close() drops; their space is
     reclaimed then, so the segments stay within twice the live records (``reclaim``)."""

@@ -143,7 +143,9 @@ class TieredCache(Cache):
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-prefill")
 
     def _let_go(self) -> None:
-        """Undo a construction that failed part-way: the threads, the tiers, the document held."""
+        """Undo a construction that failed part-way: the model's attention, the threads, the
+        tiers, the document held."""
+        self._uninstall()
         if hasattr(self, "reader"):
             self.reader.shutdown(wait=True, cancel_futures=True)
         if hasattr(self, "pipeline"):
@@ -405,6 +407,21 @@ class TieredCache(Cache):
         self._forward_hook = model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)
         model._tierkv_cache = weakref.ref(self)
 
+    def _uninstall(self) -> None:
+        """Undo ``_install``, as far as it went."""
+        model, self._model = getattr(self, "_model", None), None
+        if model is None:
+            return
+        name = getattr(self, "_attn_name", None)
+        if name is not None and model.config._attn_implementation == name:
+            model.set_attn_implementation(self._previous_attn)
+        AttentionInterface._global_mapping.pop(name, None)
+        for hook in (getattr(self, "_ids_hook", None), getattr(self, "_forward_hook", None)):
+            if hook is not None:
+                hook.remove()
+        if getattr(model, "_tierkv_cache", lambda: None)() is self:
+            model._tierkv_cache = lambda: None
+
     def _begin_forward(self, module, args, kwargs) -> None:
         """Refuse, before any layer runs, what the cache would attend wrongly
         (``admit.check_forward``), or anything after a forward pass that failed part-way
@@ -446,12 +463,7 @@ class TieredCache(Cache):
         """Give the model back its own attention and release the tiers (idempotent)."""
         if self._model is None:
             return
-        self._model.set_attn_implementation(self._previous_attn)
-        AttentionInterface._global_mapping.pop(self._attn_name, None)
-        self._ids_hook.remove()
-        self._forward_hook.remove()
-        self._model._tierkv_cache = lambda: None
-        self._model = None
+        self._uninstall()
         self.reader.shutdown(wait=True, cancel_futures=True)
         self.prefill_blocks = self.prefill_ahead = None
         self.pipeline.close()

@@ -157,8 +157,8 @@ def _damage(disk: DiskTier) -> str:
     aside = sorted(disk.path.glob(MANIFEST_ASIDE.format("*")), key=lambda p: p.stat().st_mtime)
     if not aside:
         return ""
-    return (f": its manifest was found damaged and moved aside to {aside[-1]}, so the documents "
-            "it listed cannot be reopened (their records are intact); save them again")
+    return (f": its manifest was found damaged and moved aside to {aside[-1]}; the documents it "
+            "listed cannot be reopened unless saved again since (their records are intact)")
 
 
 def _as_path(path, name: str) -> Path:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 import threading
+from collections import deque
 from typing import Mapping
 
 import torch
@@ -61,6 +62,7 @@ class KVStore:
         self._ranks = Ranking()
         self._codecs: dict[RecordKey, str | None] = {}
         self._clean: set[RecordKey] = set()  # host copies whose disk copy is current
+        self._late: deque[tuple[RecordKey, float]] = deque()  # reads to rank (``touch``)
         self._lock = threading.RLock()
 
     # -- writing ------------------------------------------------------------------------
@@ -158,6 +160,7 @@ class KVStore:
         if self.disk is None:
             raise TierFullError(f"host tier full ({self.host.used} of {self.host.budget} B) and "
                                 "no disk tier configured")
+        self._rerank()
         while not self.host.fits(need):
             victim = self._ranks.coldest(self.host, exclude=key)
             if victim is None:
@@ -186,6 +189,7 @@ class KVStore:
             if self.disk is None or key in self.host or key not in self.disk \
                     or block.nbytes > self.host.budget:
                 return False
+            self._rerank()
             while not self.host.fits(block.nbytes):
                 victim = self._ranks.coldest(self.host, exclude=key)
                 if victim is None or self._ranks.importance(victim) >= importance:
@@ -224,17 +228,29 @@ class KVStore:
             self._ranks.set(key, _importance(value))
 
     def touch(self, ranks) -> None:
-        """Re-rank held records read just now: ``ranks`` is (RecordKey, importance) pairs.
+        """Raise held records read just now to the importance of that read: ``ranks`` is
+        (RecordKey, importance) pairs. A rank is never lowered: a pinned record stays pinned,
+        and a read without an importance of its own (0) changes nothing.
 
         Without it a record read from the host every step keeps the rank it entered with and
         spills before the records promoted after it (first in, first out, not least recently
-        read). Keys no tier holds any more (removed since they were looked up) are skipped.
+        read). Keys no tier holds any more are skipped. The fetch pipeline's threads call this:
+        while the store is busy (a spill writing to disk) the pairs wait, in order, for the
+        next decision they bear on (a touch, a spill, a promotion), not the thread.
         """
-        ranks = [(key, _importance(value)) for key, value in ranks]
-        with self._lock:
-            for key, value in ranks:
-                if self._ranks.holds(key):
-                    self._ranks.set(key, value)
+        self._late.extend((key, _importance(value)) for key, value in ranks)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._rerank()
+            finally:
+                self._lock.release()
+
+    def _rerank(self) -> None:
+        """Apply the touches waiting in ``_late`` (under ``_lock``)."""
+        while self._late:
+            key, value = self._late.popleft()
+            if self._ranks.holds(key) and value > self._ranks.importance(key):
+                self._ranks.set(key, value)
 
     # -- reading ------------------------------------------------------------------------
     def _tiers(self):
