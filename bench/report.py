@@ -169,8 +169,8 @@ def scale_rows(d: dict) -> list[tuple]:
 
 
 RENDERERS = {"storage": storage_rows, "codecs": codecs_rows, "selection": selection_rows,
-             "pipeline": pipeline_rows, "quality": quality_rows, "ceiling": ceiling_rows, "reopen": reopen_rows,
-             "decode": decode_rows, "scale": scale_rows}
+             "pipeline": pipeline_rows, "quality": quality_rows, "ceiling": ceiling_rows,
+             "reopen": reopen_rows, "decode": decode_rows, "scale": scale_rows}
 
 
 def render(results: dict[str, dict]) -> str:

@@ -73,8 +73,8 @@ class GroupFetcher:
                 self.metrics.record_delivery(source, block.nbytes)
             parts.append(block)
         # a read ranks the records it found anew, so the host keeps what decode reads
-        self.store.touch((key, value) for i, (key, value) in enumerate(zip(group.keys, group.importance))
-                         if parts[i] is not None)
+        self.store.touch((key, value) for key, value, part in zip(group.keys, group.importance, parts)
+                         if part is not None)
         return parts, on_disk
 
     def _lookup(self, fetch: GroupFetch, key: RecordKey, importance: float):

@@ -35,8 +35,11 @@ class Ranking:
             self._heap = [(*r, k) for k, r in self._rank.items()]
             heapq.heapify(self._heap)
 
-    def holds(self, key: RecordKey) -> bool:
-        return key in self._rank
+    def raise_to(self, key: RecordKey, importance: float) -> None:
+        """Rank ``key`` at ``importance`` if it is ranked lower now; unranked keys stay so."""
+        rank = self._rank.get(key)
+        if rank is not None and importance > rank[0]:
+            self.set(key, importance)
 
     def discard(self, key: RecordKey) -> None:
         rank = self._rank.pop(key, None)

@@ -248,9 +248,7 @@ class KVStore:
     def _rerank(self) -> None:
         """Apply the touches waiting in ``_late`` (under ``_lock``)."""
         while self._late:
-            key, value = self._late.popleft()
-            if self._ranks.holds(key) and value > self._ranks.importance(key):
-                self._ranks.set(key, value)
+            self._ranks.raise_to(*self._late.popleft())
 
     # -- reading ------------------------------------------------------------------------
     def _tiers(self):
