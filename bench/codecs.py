@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import zlib
 
 import numpy as np
 import torch
@@ -59,7 +60,8 @@ def bench_native(nbytes: int = 32 << 20, extent: int = 64 << 10, repeat: int = 5
     """GB/s of each helper, native and fallback, and the speedup (native is None when not built).
 
     Shuffles run on ``nbytes`` random fp16 bytes; ``pread_extents`` gathers ``extent``-byte
-    extents in random order from a ``nbytes`` file in the page cache.
+    extents in random order from a ``nbytes`` file in the page cache; ``crc32`` (every record's
+    check) is zlib-ng's against the standard library's, on the same bytes.
     """
     src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     out = np.empty_like(src)
@@ -68,6 +70,8 @@ def bench_native(nbytes: int = 32 << 20, extent: int = 64 << 10, repeat: int = 5
         "unshuffle": (native.unshuffle_py, native.unshuffle, (src, 2, out)),
     }
     results = {name: _compare(py, c, args, nbytes, repeat) for name, (py, c, args) in cases.items()}
+    results["crc32"] = _compare(zlib.crc32, native.crc32, (src,), nbytes, repeat,
+                                native.crc32 is not zlib.crc32)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "segment")
         src.tofile(path)
@@ -82,9 +86,10 @@ def bench_native(nbytes: int = 32 << 20, extent: int = 64 << 10, repeat: int = 5
     return results
 
 
-def _compare(fallback, fn, args, nbytes: int, repeat: int) -> dict:
+def _compare(fallback, fn, args, nbytes: int, repeat: int, built: bool = native.HAVE_NATIVE
+             ) -> dict:
     py = nbytes / timed(fallback, *args, repeat=repeat)[0] / 1e9
-    if not native.HAVE_NATIVE:
+    if not built:
         return {"fallback_gbps": py, "native_gbps": None, "speedup": None}
     c = nbytes / timed(fn, *args, repeat=repeat)[0] / 1e9
     return {"fallback_gbps": py, "native_gbps": c, "speedup": c / py}

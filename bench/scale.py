@@ -19,10 +19,11 @@ fetch threads, at most ``LOOKAHEAD`` batches ahead of the main thread. Side by s
 before each step:
 
 * ``physical_bound_s``: the step's disk bytes / the bandwidth of plain sequential reads of a file
-  of the same volume (page cache dropped): the target's bound;
+  of the same volume (page cache dropped; the best of one thread through the page cache and
+  ``IO_THREADS`` threads with O_DIRECT): the target's bound;
 * ``extent_bound_s``: the step's disk bytes / the bandwidth of plain reads of the very extents of
-  a step's disk records (scattered 1 MiB reads, ``IO_THREADS`` at a time): the disk's limit for
-  this access pattern, without any of tierkv's work;
+  a step's disk records (scattered 1 MiB reads, ``IO_THREADS`` at a time, the best of page-cache
+  and O_DIRECT reads): the disk's limit for this access pattern, without any of tierkv's work;
 
 and once, ``brute_s``: the step reading every record, through the same code.
 
@@ -59,10 +60,10 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import bench_device, drop_page_cache, sync, write_result
+from bench.diskbw import DIRECT, RawReads, extent_reads
 from tierkv import KVBlock, KVShape, KVStore, RecordKey, TierConfig
 from tierkv.attention import DecodeAccumulator
 from tierkv.config import CodecConfig
-from tierkv.storage.segment import segment_name
 from tierkv.summary import chunk_scores, summarize
 
 SHAPE = KVShape(layers=32, kv_heads=8, head_dim=128, q_heads=32, dtype=torch.float16)
@@ -272,58 +273,16 @@ def top_chunks(select_tokens: int):
     return chosen_of
 
 
-class RawReads:
-    """A file of ``nbytes`` (written and fsynced once) whose plain sequential reads, page cache
-    dropped, give the raw disk bandwidth."""
-
-    def __init__(self, path: Path, nbytes: int, chunk: int = 1 << 20):
-        self.path, self.chunk = path, chunk
-        self.nbytes = max(chunk, nbytes // chunk * chunk)
-        data = os.urandom(chunk)
-        with open(path, "wb") as f:
-            for _ in range(self.nbytes // chunk):
-                f.write(data)
-
-    def gbps(self) -> float:
-        drop_page_cache(self.path)
-        buf = bytearray(self.chunk)
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            start = time.perf_counter()
-            for offset in range(0, self.nbytes, self.chunk):
-                os.preadv(fd, [buf], offset)
-            seconds = time.perf_counter() - start
-        finally:
-            os.close(fd)
-        return self.nbytes / seconds / 1e9
-
-
 def extent_gbps(store: KVStore, keys: list[RecordKey], threads: int) -> float:
     """GB/s of plain reads of the disk records of ``keys`` (their exact file extents in disk
     order, ``threads`` at a time, page cache dropped): the disk's bandwidth for the step's access
-    pattern, with none of tierkv's work."""
+    pattern, with none of tierkv's work. The best of reads through the page cache and O_DIRECT
+    reads (of the whole 4 KiB blocks around each extent)."""
     live = store.disk._files.index.live  # record locations: private to the disk tier
     locs = sorted((live[k] for k in keys if store.where(k) == "disk"),
                   key=lambda loc: (loc.segment, loc.offset))
-    drop_store_cache(store)
-    fds = {n: os.open(store.disk.path / segment_name(n), os.O_RDONLY)
-           for n in {loc.segment for loc in locs}}
-    buffers = threading.local()
-
-    def read(loc) -> None:
-        if getattr(buffers, "buf", None) is None or len(buffers.buf) < loc.length:
-            buffers.buf = bytearray(loc.length)
-        os.preadv(fds[loc.segment], [memoryview(buffers.buf)[:loc.length]], loc.offset)
-
-    try:
-        start = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(read, locs))
-        seconds = time.perf_counter() - start
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return sum(loc.length for loc in locs) / seconds / 1e9
+    return max(extent_reads(store.disk.path, locs, threads, direct)
+               for direct in ((False, True) if DIRECT else (False,)))
 
 
 def measured_steps(store: KVStore, kv: SyntheticKV, summaries, root: Path, select_tokens: int,
@@ -335,7 +294,7 @@ def measured_steps(store: KVStore, kv: SyntheticKV, summaries, root: Path, selec
     workers = Workers()
     try:
         warm = step(store, kv, summaries, chosen_of, workers)
-        raw = RawReads(root / "raw.bin", warm["disk_bytes"])
+        raw = RawReads(root / "raw.bin", warm["disk_bytes"], threads)
         try:
             runs, seq, extents = [], [], []
             for _ in range(steps):

@@ -19,7 +19,7 @@ def _key(doc="doc", group=0, start=0, end=16):
 
 
 @pytest.mark.parametrize("bad", [dict(io_threads=0), dict(segment_size="1k"), dict(codec="zstd"),
-                                 dict(budget="much")])
+                                 dict(budget="much"), dict(direct_io=1)])
 def test_bad_arguments_are_named(tmp_path, bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         DiskTier(tmp_path, **bad)

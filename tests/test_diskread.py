@@ -1,12 +1,14 @@
-"""Batched disk reads (tierkv.storage.diskread): the read-ahead hint."""
+"""Batched disk reads (tierkv.storage.diskread): the read-ahead hint, O_DIRECT reads."""
+import errno
 import os
 from collections import namedtuple
 
 import pytest
+import torch
 
 from conftest import block_for, same
 from tierkv.config import CodecConfig
-from tierkv.storage import RecordKey, diskread
+from tierkv.storage import CorruptRecordError, RecordKey, diskread
 from tierkv.storage.disk import DiskTier
 
 Loc = namedtuple("Loc", "offset length")
@@ -38,10 +40,12 @@ def test_reads_do_not_depend_on_the_hint(tmp_path, monkeypatch, hint):
 
 @pytest.mark.parametrize("codec, views", [("raw", True), ("zstd", False)])
 def test_raw_records_arrive_aligned_as_views_of_the_read(tmp_path, codec, views):
-    """Raw records come back as 64-byte-aligned views of the batch buffer (no decode copy),
-    with the right bytes, across segments and in any key order; other codecs decode."""
+    """Read through the page cache, raw records come back as 64-byte-aligned views of the batch
+    buffer (no decode copy), with the right bytes, across segments and in any key order; other
+    codecs decode."""
     keys = [RecordKey("doc", g, s, s + 8) for g in range(3) for s in range(0, 96, 8)]
-    with DiskTier(tmp_path, io_threads=2, segment_size=4096, codec=CodecConfig(codec)) as disk:
+    with DiskTier(tmp_path, io_threads=2, segment_size=4096, codec=CodecConfig(codec),
+                  direct_io=False) as disk:
         for key in keys:
             disk.put(key, block_for(key))
         wanted = keys[::-2] + keys[1:5]
@@ -52,3 +56,86 @@ def test_raw_records_arrive_aligned_as_views_of_the_read(tmp_path, codec, views)
         assert all(b.keys.data_ptr() % diskread.ALIGN == 0 for b in blocks)
         ptrs = [b.keys.data_ptr() for b in blocks]
         assert max(ptrs) - min(ptrs) < len(wanted) * (longest + diskread.ALIGN)
+
+
+def _direct_ok(path) -> bool:
+    """Whether the file system of ``path`` takes O_DIRECT (tmpfs, for one, does not)."""
+    probe = path / "probe"
+    probe.write_bytes(b"x" * 4096)
+    try:
+        os.close(os.open(probe, os.O_RDONLY | getattr(os, "O_DIRECT", 0)))
+        return hasattr(os, "O_DIRECT")
+    except OSError:
+        return False
+    finally:
+        probe.unlink()
+
+
+def test_direct_spans_join_records_whose_blocks_touch():
+    B = diskread.DIRECT_BLOCK
+    extents = [(0, 100), (100, B), (5 * B + 5, 10), (3 * B, 7), (4 * B, 9), (B, 1), (B, 1)]
+    locs = [Loc2(seg, off, n) for seg, (off, n) in zip([1, 1, 1, 1, 1, 1, 2], extents)]
+    order = sorted(range(len(locs)), key=lambda i: (locs[i].segment, locs[i].offset))
+    assert diskread._direct_spans(order, locs) == [
+        (1, 0, 2 * B, [0, 1, 5]),      # 0 .. B + 100: two blocks; record 5 in block 1
+        (1, 3 * B, 6 * B, [3, 4, 2]),  # a block after the first span; blocks 3, 4, 5 touch
+        (2, B, 2 * B, [6]),            # another segment
+    ]
+
+
+Loc2 = namedtuple("Loc2", "segment offset length")
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_direct_reads_give_what_page_cache_reads_give(tmp_path, codec):
+    """Records of several sizes over small segments (a file's last block short), just written
+    (still dirty in the page cache) and after a reopen, in any order, a record read twice."""
+    if not _direct_ok(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    keys = [RecordKey("doc", g, s, s + n) for g in range(3) for s, n in ((0, 5), (5, 64), (69, 1))]
+    wanted = keys[::-1] + keys[:4]
+    with DiskTier(tmp_path, io_threads=3, segment_size=16384, codec=CodecConfig(codec)) as disk:
+        for key in keys:
+            disk.put(key, block_for(key, dtype=torch.float16))
+        assert disk.direct_io and len(list(tmp_path.glob("seg-*"))) > 1
+        assert all(same(b, block_for(k, dtype=torch.float16))
+                   for k, b in zip(wanted, disk.get_many(wanted)))
+    for direct in (True, False):
+        with DiskTier(tmp_path, io_threads=2, direct_io=direct) as disk:
+            blocks = disk.get_many(wanted)
+            assert disk.direct_io is direct
+            assert all(same(b, block_for(k, dtype=torch.float16)) for k, b in zip(wanted, blocks))
+
+
+def test_a_file_system_that_refuses_o_direct_is_read_through_the_page_cache(tmp_path,
+                                                                             monkeypatch):
+    keys = [RecordKey("doc", 0, s, s + 16) for s in range(0, 160, 16)]
+    with DiskTier(tmp_path, io_threads=2) as disk:
+        for key in keys:
+            disk.put(key, block_for(key))
+        opened = disk._files.open_read
+
+        def refuse(number, direct=False):
+            if direct:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return opened(number)
+        monkeypatch.setattr(disk._files, "open_read", refuse)
+        disk.direct_io = True
+        assert all(same(b, block_for(k)) for k, b in zip(keys, disk.get_many(keys)))
+        assert not disk.direct_io  # and it stays off: the next read opens without asking
+        assert same(disk.get(keys[3]), block_for(keys[3]))
+
+
+def test_a_direct_read_past_the_end_of_a_cut_file_names_it(tmp_path):
+    if not _direct_ok(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    keys = [RecordKey("doc", 0, s, s + 64) for s in range(0, 640, 64)]
+    with DiskTier(tmp_path) as disk:
+        for key in keys:
+            disk.put(key, block_for(key))
+        disk.flush()
+        segment = next(tmp_path.glob("seg-*.tkv"))
+        os.truncate(segment, segment.stat().st_size - 10000)  # behind the tier's back
+        with pytest.raises(CorruptRecordError, match=f"{segment.name}: read failed .*end of file"):
+            disk.get_many(keys[-3:])
+        assert same(disk.get(keys[0]), block_for(keys[0]))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import block_for
-from tierkv.config import CodecConfig, SelectConfig, parse_size
+from tierkv.config import CodecConfig, SelectConfig, TierConfig, parse_size
 from tierkv.storage import DeviceTier, HostTier, KVBlock, RecordKey, TierFullError, host
 
 
@@ -92,6 +92,7 @@ def test_bad_budget_is_named():
     (lambda: CodecConfig(allow_lossy="no"), "allow_lossy='no': expected True or False"),
     (lambda: SelectConfig(full_after_filter="no"), "full_after_filter='no'"),
     (lambda: SelectConfig(filter_layers=5), "filter_layers=5: expected a sequence"),
+    (lambda: TierConfig(direct_io="yes"), "direct_io='yes': expected True or False"),
 ])
 def test_config_values_of_the_wrong_kind(make, message):
     with pytest.raises(ValueError, match=message):

@@ -21,7 +21,7 @@ from .storage.base import CorruptRecordError, StorageError
 EXIT_ERROR = 2
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports of a writer killed by SIGPIPE
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
-_NOT_BENCHMARKS = {"__init__", "common", "report"}
+_NOT_BENCHMARKS = {"__init__", "common", "diskbw", "report"}
 
 
 class _Parser(argparse.ArgumentParser):

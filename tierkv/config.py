@@ -108,6 +108,9 @@ class TierConfig:
     disk_dir : directory of the disk tier; ``None`` means no disk tier (host overflow is an error).
     device : "auto" (CUDA when present, else CPU), "cpu", "cuda" or "cuda:N".
     io_threads : reader threads of the disk tier.
+    direct_io : the disk tier reads with O_DIRECT where the file system allows it (else as
+        usual): no copy through the page cache, no readahead past the records, and the disk tier's
+        reads are not cached beyond the host budget. False reads through the page cache.
     """
 
     device_budget: int | str = "256MB"
@@ -116,6 +119,7 @@ class TierConfig:
     disk_budget: int | str | None = None
     device: str = "auto"
     io_threads: int = 4
+    direct_io: bool = True
     segment_size: int | str = "256MiB"
     codec: CodecConfig = field(default_factory=CodecConfig)
 
@@ -138,6 +142,8 @@ class TierConfig:
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device={self.device!r}: must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
         _check_range("io_threads", self.io_threads, 1, 256)
+        if not isinstance(self.direct_io, bool):
+            raise ValueError(f"direct_io={self.direct_io!r}: expected True or False")
         if not isinstance(self.codec, CodecConfig):
             raise ValueError(f"codec={self.codec!r}: expected a CodecConfig")
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import struct
 import threading
-import zlib
 from math import prod
 
 import numpy as np
@@ -351,7 +350,7 @@ def encode_block(codec: Codec, block: KVBlock) -> bytes:
     k = codec.encode(block.keys, "k")
     v = codec.encode(block.values, "v")
     head = _BLOCK_HEAD.pack(codec.id, len(k))
-    crc = zlib.crc32(v, zlib.crc32(k, zlib.crc32(head)))
+    crc = native.crc32(v, native.crc32(k, native.crc32(head)))
     return b"".join((head, _BLOCK_CRC.pack(crc), k, v))
 
 
@@ -372,7 +371,7 @@ def decode_block(codec: Codec, payload, dtype, shape, verified: bool = False) ->
     codec_id, k_len = _BLOCK_HEAD.unpack_from(view)
     (crc,) = _BLOCK_CRC.unpack_from(view, _BLOCK_HEAD.size)
     body = view[BLOCK_HEADER_SIZE:]
-    if not verified and zlib.crc32(body, zlib.crc32(view[:_BLOCK_HEAD.size])) != crc:
+    if not verified and native.crc32(body, native.crc32(view[:_BLOCK_HEAD.size])) != crc:
         raise CorruptRecordError("block payload: crc32 mismatch")
     if codec_id != codec.id:
         raise CorruptRecordError(f"block payload written by codec id {codec_id}, read as "

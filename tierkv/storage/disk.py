@@ -11,7 +11,6 @@ its segment compacted away) rescans and retries once.
 from __future__ import annotations
 
 import asyncio
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,9 +20,10 @@ from ..config import CodecConfig, parse_size
 from .base import CorruptRecordError, KVBlock, RecordKey, Tier, TierFullError
 from .codec import Codec, codec_by_id, codec_name_by_id, decode_block, encode_block, make_codec
 from .diskmeta import DocMeta
-from .diskread import RawRecord, read_batch
+from .diskread import DIRECT_AVAILABLE, DirectIOUnsupported, RawRecord, read_batch
 from .locking import DocHold
 from .manifest import refuse_newer_manifest
+from .native import crc32
 from .segfiles import SegmentDir
 from .segment import HEADER, KIND_DATA, KIND_DOC_TOMBSTONE, KIND_KEY_TOMBSTONE, pack_record, \
     segment_name
@@ -43,6 +43,8 @@ class DiskTier(Tier):
     read_only : look without changing anything: the directory must exist; a tail past the last
         valid record is reported, not cut; a damaged manifest is reported, not set aside; no
         lock file is created; writes raise StorageError (``tierkv inspect``).
+    direct_io : read with O_DIRECT where the file system allows it (``diskread._read_direct``);
+        after a refusal, reads go through the page cache. ``direct_io`` says which is in use.
 
     ``open_report`` says what opening found: records, segments, bytes dropped and why. Opening
     reads only the record headers when the manifest lists exactly the records they describe
@@ -54,7 +56,7 @@ class DiskTier(Tier):
 
     def __init__(self, path, *, codec: CodecConfig = CodecConfig(),
                  segment_size: int | str = "256MiB", io_threads: int = 4, budget=None,
-                 read_only: bool = False):
+                 read_only: bool = False, direct_io: bool = True):
         super().__init__(None if budget is None else parse_size(budget, "budget"))
         if not isinstance(path, (str, Path)) or str(path) == "":
             raise ValueError(f"path={path!r}: expected a directory path")
@@ -65,6 +67,8 @@ class DiskTier(Tier):
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) \
                 or not 1 <= io_threads <= 256:
             raise ValueError(f"io_threads={io_threads!r}: must be an integer in [1, 256]")
+        if not isinstance(direct_io, bool):
+            raise ValueError(f"direct_io={direct_io!r}: expected True or False")
         size = parse_size(segment_size, "segment_size")
         if not 4096 <= size <= 2**40:
             raise ValueError(f"segment_size={size}: must be in [4KiB, 1TiB]")
@@ -75,6 +79,7 @@ class DiskTier(Tier):
         self._files = SegmentDir(self.path, size, read_only=read_only)
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tierkv-disk")
         self._io_threads = io_threads
+        self.direct_io = direct_io and DIRECT_AVAILABLE  # off for good once the file system refuses
         self._meta = DocMeta(self._files)
         self._holds: dict[str, DocHold] = {}
         self._generation = -1
@@ -123,7 +128,7 @@ class DiskTier(Tier):
         enc = self._codec(codec)
         cpu = block.to("cpu")
         payload = encode_block(enc, cpu)
-        crc = zlib.crc32(payload)
+        crc = crc32(payload)
         need = HEADER.size + len(payload)
         with self._lock:
             self._check_open()
@@ -279,7 +284,14 @@ class DiskTier(Tier):
         self._check_open()
         with self._lock:
             locs = [self._files.index.live[k] for k in keys]
-        out = read_batch(self._files, keys, locs, self._pool, self._io_threads, decode)
+        if self.direct_io:
+            try:
+                out = read_batch(self._files, keys, locs, self._pool, self._io_threads, decode,
+                                 direct=True)
+            except DirectIOUnsupported:
+                self.direct_io = False
+        if not self.direct_io:
+            out = read_batch(self._files, keys, locs, self._pool, self._io_threads, decode)
         self.bytes_read += sum(loc.length for loc in locs)
         return out
 

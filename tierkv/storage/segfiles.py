@@ -21,6 +21,7 @@ from .segment import HEADER, MAGIC, SEGMENT_RE, VERSION, Scanned, check_crc, new
 
 ZERO_TAIL_MAX = 1 << 20  # a longer tail of zeros is kept aside all the same, not judged torn
 _RO = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIRECT = getattr(os, "O_DIRECT", 0)
 _WO = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -227,9 +228,10 @@ class SegmentDir:
         if self.read_only:
             raise StorageError(f"{self.path} is open read-only")
 
-    def open_read(self, number: int) -> int:
-        """A read-only descriptor of segment ``number`` (FileNotFoundError once it is deleted)."""
-        return os.open(segment_name(number), _RO, dir_fd=self.dir_fd)
+    def open_read(self, number: int, direct: bool = False) -> int:
+        """A read-only descriptor of segment ``number`` (FileNotFoundError once it is deleted);
+        ``direct``: opened with O_DIRECT (OSError where the file system refuses it)."""
+        return os.open(segment_name(number), _RO | (_DIRECT if direct else 0), dir_fd=self.dir_fd)
 
     # -- appending ----------------------------------------------------------------------
     def append(self, make_record, moved: bool = False):

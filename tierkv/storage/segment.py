@@ -16,12 +16,12 @@ from __future__ import annotations
 import os
 import re
 import struct
-import zlib
 from dataclasses import dataclass
 
 import torch
 
 from .base import CorruptRecordError, NewerFormatError, RecordKey
+from .native import crc32
 
 MAGIC = b"TKVR"
 VERSION = 1
@@ -87,8 +87,8 @@ def pack_record(kind: int, key: RecordKey, seq: int, payload=b"", *, payload_crc
               key.group, key.start, key.end, raw_len, len(payload), seq, doc)
     head = HEADER.pack(*fields, 0)[:-4]
     if payload_crc is None:
-        payload_crc = zlib.crc32(payload)
-    crc = zlib.crc32(head, payload_crc)
+        payload_crc = crc32(payload)
+    crc = crc32(head, payload_crc)
     return head + struct.pack("<I", crc), payload
 
 
@@ -144,7 +144,7 @@ def _check_fields(h: RecordHeader) -> None:
 
 def _record_crc(view: memoryview) -> int:
     """The crc32 a record's header stores: over the header before it, then the payload."""
-    return zlib.crc32(view[:HEADER.size - 4], zlib.crc32(view[HEADER.size:]))
+    return crc32(view[:HEADER.size - 4], crc32(view[HEADER.size:]))
 
 
 def check_crc(header: RecordHeader, record) -> None:

@@ -58,7 +58,7 @@ class KVStore:
         self.host = HostTier(config.host_budget, pin=self.device.device.type == "cuda")
         self.disk = None if config.disk_dir is None else DiskTier(
             config.disk_dir, codec=config.codec, segment_size=config.segment_size,
-            io_threads=config.io_threads, budget=config.disk_budget)
+            io_threads=config.io_threads, budget=config.disk_budget, direct_io=config.direct_io)
         self._ranks = Ranking()
         self._codecs: dict[RecordKey, str | None] = {}
         self._clean: set[RecordKey] = set()  # host copies whose disk copy is current
