@@ -2,6 +2,7 @@
 record extents, each the best of reads through the page cache and O_DIRECT reads."""
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import threading
@@ -14,6 +15,18 @@ from tierkv.storage.diskread import DIRECT_BLOCK
 from tierkv.storage.segment import segment_name
 
 DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def open_direct(path: Path) -> int | None:
+    """``path`` opened for O_DIRECT reads, or None where that is refused (tmpfs, say)."""
+    if not DIRECT:
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | DIRECT)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return None
+        raise
 
 
 class RawReads:
@@ -31,9 +44,9 @@ class RawReads:
 
     def gbps(self) -> float:
         """The best of two plain ways of reading the file from start to end: one thread through
-        the page cache (the kernel reads ahead), and ``threads`` threads with O_DIRECT, each
-        reading its own contiguous part (the disk gets them all at once)."""
-        return max(self._buffered(), self._direct(self.threads) if DIRECT else 0.0)
+        the page cache (the kernel reads ahead), and ``threads`` threads with O_DIRECT taking
+        1 MiB pieces in turn (the disk gets them all at once; skipped where it is refused)."""
+        return max(self._buffered(), self._direct(self.threads))
 
     def _buffered(self) -> float:
         drop_page_cache(self.path)
@@ -51,7 +64,9 @@ class RawReads:
     def _direct(self, threads: int) -> float:
         offsets = range(0, self.nbytes, self.chunk)
         parts = [offsets[i::threads] for i in range(threads)]
-        fd = os.open(self.path, os.O_RDONLY | DIRECT)
+        fd = open_direct(self.path)
+        if fd is None:
+            return 0.0
 
         def read(part) -> None:
             buf = mmap.mmap(-1, self.chunk)  # page-aligned, as O_DIRECT needs
@@ -69,12 +84,19 @@ class RawReads:
 
 def extent_reads(directory: Path, locs: list, threads: int, direct: bool) -> float:
     """GB/s of reading the record extents ``locs`` (disk order) of the segments in ``directory``,
-    page cache dropped, ``threads`` at a time; ``direct``: with O_DIRECT, whole blocks."""
+    page cache dropped, ``threads`` at a time; ``direct``: with O_DIRECT, whole blocks (0.0
+    where O_DIRECT is refused)."""
     block = DIRECT_BLOCK if direct else 1
-    for n in {loc.segment for loc in locs}:
+    segments = {loc.segment for loc in locs}
+    for n in segments:
         drop_page_cache(directory / segment_name(n))
-    fds = {n: os.open(directory / segment_name(n), os.O_RDONLY | (DIRECT if direct else 0))
-           for n in {loc.segment for loc in locs}}
+    fds = {n: open_direct(directory / segment_name(n)) if direct else
+           os.open(directory / segment_name(n), os.O_RDONLY) for n in segments}
+    if None in fds.values():
+        for fd in fds.values():
+            if fd is not None:
+                os.close(fd)
+        return 0.0
     buffers = threading.local()
 
     def read(loc) -> None:

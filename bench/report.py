@@ -30,9 +30,9 @@ def fmt(value, digits: int = 3) -> str:
 
 def storage_rows(d: dict) -> list[tuple]:
     return [("raw read GB/s", d.get("raw_read_gbps"), "plain file reads, page cache dropped"),
-            ("record read GB/s", d.get("record_read_gbps"), "DiskTier.get_many, same bytes (O_DIRECT)"),
+            ("record read GB/s", d.get("record_read_gbps"), "DiskTier.get_many, same bytes"),
             ("O_DIRECT speedup", d.get("direct_speedup"),
-             "DiskTier reads with O_DIRECT / through the page cache (direct_io=False)"),
+             "DiskTier.get_many with O_DIRECT / through the page cache, records in disk order"),
             ("read ratio", d.get("read_ratio"), "record / raw read speed (target >= 0.8)"),
             ("write ratio", d.get("write_ratio"), "record / raw write speed")]
 

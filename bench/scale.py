@@ -7,7 +7,8 @@ in fp16 like the keys (exact: a min or max of fp16 values is one of them; half t
 Records cycle through a seeded pool of Gaussian blocks (generating 8 GiB of fresh random numbers
 on two cores would dominate the run); a few "needle" chunks per group get keys aligned with the
 query direction of their KV head. Device budget 1 GB and host 4 GB from 64K tokens up, scaled
-with the context below that (the rest spills to disk, raw codec).
+with the context below that (the rest spills to disk, raw codec; the disk tier reads with O_DIRECT
+when its records outgrow the machine's available memory, ``disk_reads_direct``).
 
 A decode step, per group: LKA bound scores of every chunk for the group's query, the top chunks
 within a 2 % token budget, ``KVStore.fetch`` of them (page cache dropped before the step), and
@@ -45,7 +46,6 @@ import argparse
 import contextlib
 import math
 import multiprocessing
-import os
 import queue
 import resource
 import shutil
@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import bench_device, drop_page_cache, sync, write_result
-from bench.diskbw import DIRECT, RawReads, extent_reads
+from bench.diskbw import RawReads, extent_reads
 from tierkv import KVBlock, KVShape, KVStore, RecordKey, TierConfig
 from tierkv.attention import DecodeAccumulator
 from tierkv.config import CodecConfig
@@ -281,8 +281,7 @@ def extent_gbps(store: KVStore, keys: list[RecordKey], threads: int) -> float:
     live = store.disk._files.index.live  # record locations: private to the disk tier
     locs = sorted((live[k] for k in keys if store.where(k) == "disk"),
                   key=lambda loc: (loc.segment, loc.offset))
-    return max(extent_reads(store.disk.path, locs, threads, direct)
-               for direct in ((False, True) if DIRECT else (False,)))
+    return max(extent_reads(store.disk.path, locs, threads, direct) for direct in (False, True))
 
 
 def measured_steps(store: KVStore, kv: SyntheticKV, summaries, root: Path, select_tokens: int,
@@ -334,6 +333,7 @@ def bench_size(root: Path, tokens: int, steps: int) -> dict:
         reset_peak_rss()
         runs, gbps, extent = measured_steps(store, kv, summaries, root, select_tokens, steps,
                                             config.io_threads)
+        direct = store.disk.reads_direct()
         rss["step"] = peak_rss()
         brute = None
         if tiers["disk_bytes"] <= BRUTE_MAX_BYTES:
@@ -343,6 +343,7 @@ def bench_size(root: Path, tokens: int, steps: int) -> dict:
     shutil.rmtree(root / f"kv-{tokens}", ignore_errors=True)
     return {"tokens": tokens, "kv_bytes": SHAPE.kv_bytes(tokens), "device_budget": device,
             "host_budget": host, "disk_bytes": tiers["disk_bytes"], "host_bytes": tiers["host_bytes"],
+            "disk_reads_direct": direct,
             "select_tokens_per_group": select_tokens // CHUNK * CHUNK,
             "fetched_bytes_per_group": select_tokens // CHUNK * CHUNK * SHAPE.token_bytes(GROUP),
             "write_s": write_s, "steps": steps, "rss_baseline": rss["baseline"],

@@ -81,6 +81,9 @@ def test_direct_spans_join_records_whose_blocks_touch():
         (1, 3 * B, 6 * B, [3, 4, 2]),  # a block after the first span; blocks 3, 4, 5 touch
         (2, B, 2 * B, [6]),            # another segment
     ]
+    # a limit of 2 blocks: the span that reached it takes no more records
+    assert diskread._direct_spans(order, locs, limit=2 * B)[:3] == [
+        (1, 0, 2 * B, [0, 1, 5]), (1, 3 * B, 5 * B, [3, 4]), (1, 5 * B, 6 * B, [2])]
 
 
 Loc2 = namedtuple("Loc2", "segment offset length")
@@ -94,16 +97,17 @@ def test_direct_reads_give_what_page_cache_reads_give(tmp_path, codec):
         pytest.skip("this file system refuses O_DIRECT")
     keys = [RecordKey("doc", g, s, s + n) for g in range(3) for s, n in ((0, 5), (5, 64), (69, 1))]
     wanted = keys[::-1] + keys[:4]
-    with DiskTier(tmp_path, io_threads=3, segment_size=16384, codec=CodecConfig(codec)) as disk:
+    with DiskTier(tmp_path, io_threads=3, segment_size=16384, codec=CodecConfig(codec),
+                  direct_io=True) as disk:
         for key in keys:
             disk.put(key, block_for(key, dtype=torch.float16))
-        assert disk.direct_io and len(list(tmp_path.glob("seg-*"))) > 1
+        assert disk.reads_direct() and len(list(tmp_path.glob("seg-*"))) > 1
         assert all(same(b, block_for(k, dtype=torch.float16))
                    for k, b in zip(wanted, disk.get_many(wanted)))
     for direct in (True, False):
         with DiskTier(tmp_path, io_threads=2, direct_io=direct) as disk:
             blocks = disk.get_many(wanted)
-            assert disk.direct_io is direct
+            assert disk.reads_direct() is direct
             assert all(same(b, block_for(k, dtype=torch.float16)) for k, b in zip(wanted, blocks))
 
 
@@ -121,8 +125,9 @@ def test_a_file_system_that_refuses_o_direct_is_read_through_the_page_cache(tmp_
             return opened(number)
         monkeypatch.setattr(disk._files, "open_read", refuse)
         disk.direct_io = True
+        assert disk.reads_direct()
         assert all(same(b, block_for(k)) for k, b in zip(keys, disk.get_many(keys)))
-        assert not disk.direct_io  # and it stays off: the next read opens without asking
+        assert not disk.reads_direct()  # and it stays off: the next read opens without asking
         assert same(disk.get(keys[3]), block_for(keys[3]))
 
 
@@ -130,7 +135,7 @@ def test_a_direct_read_past_the_end_of_a_cut_file_names_it(tmp_path):
     if not _direct_ok(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
     keys = [RecordKey("doc", 0, s, s + 64) for s in range(0, 640, 64)]
-    with DiskTier(tmp_path) as disk:
+    with DiskTier(tmp_path, direct_io=True) as disk:
         for key in keys:
             disk.put(key, block_for(key))
         disk.flush()
@@ -139,3 +144,29 @@ def test_a_direct_read_past_the_end_of_a_cut_file_names_it(tmp_path):
         with pytest.raises(CorruptRecordError, match=f"{segment.name}: read failed .*end of file"):
             disk.get_many(keys[-3:])
         assert same(disk.get(keys[0]), block_for(keys[0]))
+
+
+def test_auto_reads_direct_only_while_the_records_outgrow_available_memory(tmp_path,
+                                                                          monkeypatch):
+    """``direct_io="auto"``: through the page cache while RAM could keep the tier's records,
+    with O_DIRECT once they outgrow it; the same blocks either way."""
+    if not _direct_ok(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    keys = [RecordKey("doc", 0, s, s + 16) for s in range(0, 320, 16)]
+    asked = []
+    read = diskread.read_batch
+    monkeypatch.setattr("tierkv.storage.disk.read_batch",
+                        lambda *args, **kw: asked.append(kw.get("direct", False)) or read(*args, **kw))
+    available = {"bytes": 1 << 40}
+    monkeypatch.setattr("tierkv.storage.disk.psutil.virtual_memory",
+                        lambda: namedtuple("vm", "available")(available["bytes"]))
+    monkeypatch.setattr("tierkv.storage.disk.time.monotonic", lambda: len(asked) * 10.0)
+    with DiskTier(tmp_path) as disk:
+        for key in keys:
+            disk.put(key, block_for(key))
+        first = disk.get_many(keys)
+        available["bytes"] = disk.used - 1
+        second = disk.get_many(keys)
+    assert asked == [False, True]
+    assert all(same(a, block_for(k)) and same(b, block_for(k))
+               for k, a, b in zip(keys, first, second))

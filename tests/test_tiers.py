@@ -92,7 +92,8 @@ def test_bad_budget_is_named():
     (lambda: CodecConfig(allow_lossy="no"), "allow_lossy='no': expected True or False"),
     (lambda: SelectConfig(full_after_filter="no"), "full_after_filter='no'"),
     (lambda: SelectConfig(filter_layers=5), "filter_layers=5: expected a sequence"),
-    (lambda: TierConfig(direct_io="yes"), "direct_io='yes': expected True or False"),
+    (lambda: TierConfig(direct_io="yes"), "direct_io='yes': expected 'auto', True or False"),
+    (lambda: TierConfig(direct_io=1), "direct_io=1: expected 'auto', True or False"),
 ])
 def test_config_values_of_the_wrong_kind(make, message):
     with pytest.raises(ValueError, match=message):

@@ -108,9 +108,9 @@ class TierConfig:
     disk_dir : directory of the disk tier; ``None`` means no disk tier (host overflow is an error).
     device : "auto" (CUDA when present, else CPU), "cpu", "cuda" or "cuda:N".
     io_threads : reader threads of the disk tier.
-    direct_io : the disk tier reads with O_DIRECT where the file system allows it (else as
-        usual): no copy through the page cache, no readahead past the records, and the disk tier's
-        reads are not cached beyond the host budget. False reads through the page cache.
+    direct_io : "auto", True or False: whether the disk tier reads with O_DIRECT, bypassing the
+        page cache ("auto": while its records outgrow the machine's available memory; see
+        ``DiskTier``).
     """
 
     device_budget: int | str = "256MB"
@@ -119,7 +119,7 @@ class TierConfig:
     disk_budget: int | str | None = None
     device: str = "auto"
     io_threads: int = 4
-    direct_io: bool = True
+    direct_io: bool | str = "auto"
     segment_size: int | str = "256MiB"
     codec: CodecConfig = field(default_factory=CodecConfig)
 
@@ -142,8 +142,9 @@ class TierConfig:
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device={self.device!r}: must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
         _check_range("io_threads", self.io_threads, 1, 256)
-        if not isinstance(self.direct_io, bool):
-            raise ValueError(f"direct_io={self.direct_io!r}: expected True or False")
+        if self.direct_io not in (True, False, "auto") or isinstance(self.direct_io, int) and \
+                not isinstance(self.direct_io, bool):
+            raise ValueError(f"direct_io={self.direct_io!r}: expected 'auto', True or False")
         if not isinstance(self.codec, CodecConfig):
             raise ValueError(f"codec={self.codec!r}: expected a CodecConfig")
 

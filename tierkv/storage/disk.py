@@ -11,9 +11,11 @@ its segment compacted away) rescans and retries once.
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import torch
 
 from ..config import CodecConfig, parse_size
@@ -43,8 +45,13 @@ class DiskTier(Tier):
     read_only : look without changing anything: the directory must exist; a tail past the last
         valid record is reported, not cut; a damaged manifest is reported, not set aside; no
         lock file is created; writes raise StorageError (``tierkv inspect``).
-    direct_io : read with O_DIRECT where the file system allows it (``diskread._read_direct``);
-        after a refusal, reads go through the page cache. ``direct_io`` says which is in use.
+    direct_io : "auto" (default), True or False: whether reads bypass the page cache with
+        O_DIRECT (``diskread._read_direct``). "auto" does so while the tier's records outgrow the
+        memory the machine has available (the page cache could not keep them; O_DIRECT then
+        saves its copy and its readahead past each record), and reads through the page cache
+        otherwise (records written or read a moment ago come from RAM). After the file system
+        refuses O_DIRECT once, every read goes through the page cache. ``reads_direct()`` says
+        which the next read does.
 
     ``open_report`` says what opening found: records, segments, bytes dropped and why. Opening
     reads only the record headers when the manifest lists exactly the records they describe
@@ -56,7 +63,7 @@ class DiskTier(Tier):
 
     def __init__(self, path, *, codec: CodecConfig = CodecConfig(),
                  segment_size: int | str = "256MiB", io_threads: int = 4, budget=None,
-                 read_only: bool = False, direct_io: bool = True):
+                 read_only: bool = False, direct_io: bool | str = "auto"):
         super().__init__(None if budget is None else parse_size(budget, "budget"))
         if not isinstance(path, (str, Path)) or str(path) == "":
             raise ValueError(f"path={path!r}: expected a directory path")
@@ -67,8 +74,9 @@ class DiskTier(Tier):
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) \
                 or not 1 <= io_threads <= 256:
             raise ValueError(f"io_threads={io_threads!r}: must be an integer in [1, 256]")
-        if not isinstance(direct_io, bool):
-            raise ValueError(f"direct_io={direct_io!r}: expected True or False")
+        if direct_io not in (True, False, "auto") or isinstance(direct_io, int) and \
+                not isinstance(direct_io, bool):
+            raise ValueError(f"direct_io={direct_io!r}: expected 'auto', True or False")
         size = parse_size(segment_size, "segment_size")
         if not 4096 <= size <= 2**40:
             raise ValueError(f"segment_size={size}: must be in [4KiB, 1TiB]")
@@ -79,7 +87,9 @@ class DiskTier(Tier):
         self._files = SegmentDir(self.path, size, read_only=read_only)
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tierkv-disk")
         self._io_threads = io_threads
-        self.direct_io = direct_io and DIRECT_AVAILABLE  # off for good once the file system refuses
+        self.direct_io = direct_io
+        self._direct_ok = DIRECT_AVAILABLE  # False for good once the file system refuses
+        self._available: tuple[float, int] | None = None  # (when, bytes) of available memory
         self._meta = DocMeta(self._files)
         self._holds: dict[str, DocHold] = {}
         self._generation = -1
@@ -284,16 +294,28 @@ class DiskTier(Tier):
         self._check_open()
         with self._lock:
             locs = [self._files.index.live[k] for k in keys]
-        if self.direct_io:
+        direct = self.reads_direct()
+        if direct:
             try:
                 out = read_batch(self._files, keys, locs, self._pool, self._io_threads, decode,
                                  direct=True)
             except DirectIOUnsupported:
-                self.direct_io = False
-        if not self.direct_io:
+                direct = self._direct_ok = False
+        if not direct:
             out = read_batch(self._files, keys, locs, self._pool, self._io_threads, decode)
         self.bytes_read += sum(loc.length for loc in locs)
         return out
+
+    def reads_direct(self) -> bool:
+        """Whether the next read bypasses the page cache (``direct_io``)."""
+        if not self._direct_ok or self.direct_io is False:
+            return False
+        if self.direct_io is True:
+            return True
+        now = time.monotonic()
+        if self._available is None or now - self._available[0] > 1.0:  # meminfo once a second
+            self._available = (now, psutil.virtual_memory().available)
+        return self.used > self._available[1]
 
     async def aget(self, key: RecordKey) -> KVBlock:
         """``get`` on a worker thread, for asyncio applications."""

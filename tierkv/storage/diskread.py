@@ -13,12 +13,16 @@ Before reading, a thread hints all its extents to the kernel (``POSIX_FADV_WILLN
 disk has them in flight at once rather than one per thread at a time: on a virtio disk, 86
 scattered 1 MiB records in batches of 32 read in 130 ms instead of 148 (median, 8 threads).
 
-With ``direct=True`` (the disk tier's default where the file system allows it) records are read
-with O_DIRECT instead (``_read_direct``): no copy through the page cache, no readahead past a
-record. On this project's virtio disk, 1 MiB records read back at 2.26 GB/s against 1.60 through
-the page cache (``bench.storage --quick``), and a step reading all of a 64K-token context's 4.6 GB
-in 5.1 s against 7.8 (``bench.scale``). The cost: tensor bytes lie in the buffer as they lie in
-the file, so a raw record whose bytes are not aligned to its dtype is copied by its decode.
+With ``direct=True`` records are read with O_DIRECT instead (``_read_direct``): no copy through
+the page cache, no readahead past a record, nothing served from RAM either. The disk tier does so
+when its records outgrow the machine's available memory (``DiskTier.direct_io``). On this
+project's virtio disk (page cache dropped), a step reading every record of a 64K-token context
+(4.6 GB, scattered 1 MiB records) took 4.5-5.1 s against 7.8 through the page cache
+(``bench.scale``); records read in disk order came at about the same speed either way
+(``bench.storage``). Tensor bytes lie in the buffer as they lie in the file, so a raw record
+whose bytes are not aligned to its dtype is copied by its decode: records of a segment start
+157 bytes before their tensor bytes and raw records of one shape have one odd length, so half of
+fp16 records and three quarters of fp32 ones are copied.
 """
 from __future__ import annotations
 
@@ -186,12 +190,13 @@ def _read_direct(files, keys: list[RecordKey], locs: list, pool, threads: int, d
     and no readahead past the records, which scattered reads pay for in bandwidth.
 
     Records are read in spans of whole ``DIRECT_BLOCK`` blocks (records whose blocks touch share
-    a span), each span at a block-aligned place of the buffer; a record lies in its span where
-    it lies in its blocks. Tensor bytes are aligned as in the file (the raw codec copies a
-    record whose bytes are not aligned to its dtype).
+    a span, up to about an equal share of the batch per thread, so that the threads also share
+    the checks and decodes), each span at a block-aligned place of the buffer; a record lies in
+    its span where it lies in its blocks. Tensor bytes are aligned as in the file (module
+    docstring).
     """
-    spans = _direct_spans(sorted(range(len(locs)), key=lambda i: (locs[i].segment,
-                                                                     locs[i].offset)), locs)
+    order = sorted(range(len(locs)), key=lambda i: (locs[i].segment, locs[i].offset))
+    spans = _direct_spans(order, locs, sum(loc.length for loc in locs) // threads)
     starts, total = [], 0
     for _, lo, hi, _ in spans:
         starts.append(total)
@@ -227,15 +232,19 @@ def _read_direct(files, keys: list[RecordKey], locs: list, pool, threads: int, d
     return out
 
 
-def _direct_spans(order: list[int], locs: list) -> list[tuple[int, int, int, list[int]]]:
+def _direct_spans(order: list[int], locs: list, limit: int | None = None
+                  ) -> list[tuple[int, int, int, list[int]]]:
     """(segment, first byte, end, record indices) of each span of whole blocks to read, in disk
-    order: records (``order``: in disk order) whose blocks touch share one."""
+    order: records (``order``: in disk order) whose blocks touch share one, until it holds
+    ``limit`` bytes (then a record that needs more blocks starts a span, which may read a block
+    again)."""
     spans: list[list] = []
     for i in order:
         loc = locs[i]
         lo = loc.offset // DIRECT_BLOCK * DIRECT_BLOCK
         hi = -(-(loc.offset + loc.length) // DIRECT_BLOCK) * DIRECT_BLOCK
-        if spans and spans[-1][0] == loc.segment and lo <= spans[-1][2]:
+        if spans and spans[-1][0] == loc.segment and lo <= spans[-1][2] and \
+                (limit is None or hi <= spans[-1][2] or spans[-1][2] - spans[-1][1] < limit):
             spans[-1][2] = max(spans[-1][2], hi)
             spans[-1][3].append(i)
         else:
@@ -243,11 +252,15 @@ def _direct_spans(order: list[int], locs: list) -> list[tuple[int, int, int, lis
     return [tuple(span) for span in spans]
 
 
+# What a file system or device answers when it will not do O_DIRECT (as asked)
+_REFUSALS = (errno.EINVAL, errno.EOPNOTSUPP)
+
+
 def _open_direct(files, segment: int) -> int:
     try:
         return files.open_read(segment, direct=True)
     except OSError as exc:
-        if exc.errno == errno.EINVAL:  # the file system has no O_DIRECT
+        if exc.errno in _REFUSALS:  # the file system has no O_DIRECT
             raise DirectIOUnsupported(exc.errno, f"O_DIRECT: {exc.strerror}") from exc
         raise
 
@@ -260,7 +273,7 @@ def _pread_direct(fd: int, view: memoryview, offset: int, need: int, segment: in
         try:
             got = os.preadv(fd, [view[done:]], offset + done)
         except OSError as exc:
-            if exc.errno == errno.EINVAL:  # alignment the device will not take
+            if exc.errno in _REFUSALS:  # e.g. an alignment the device will not take
                 raise DirectIOUnsupported(exc.errno, f"O_DIRECT read: {exc.strerror}") from exc
             raise CorruptRecordError(f"{segment_name(segment)}: read failed ({exc})") from exc
         if got == 0 or (got % DIRECT_BLOCK and done + got < need):
