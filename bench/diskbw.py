@@ -73,13 +73,9 @@ class RawReads:
             for offset in sorted(part):
                 os.preadv(fd, [buf], offset)
         try:
-            start = time.perf_counter()
-            with ThreadPoolExecutor(threads) as pool:
-                list(pool.map(read, parts))
-            seconds = time.perf_counter() - start
+            return self.nbytes / _timed_map(read, parts, threads) / 1e9
         finally:
             os.close(fd)
-        return self.nbytes / seconds / 1e9
 
 
 def extent_reads(directory: Path, locs: list, threads: int, direct: bool) -> float:
@@ -107,11 +103,15 @@ def extent_reads(directory: Path, locs: list, threads: int, direct: bool) -> flo
         os.preadv(fds[loc.segment], [memoryview(buffers.buf)[:length]], lo)
 
     try:
-        start = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(read, locs))
-        seconds = time.perf_counter() - start
+        return sum(loc.length for loc in locs) / _timed_map(read, locs, threads) / 1e9
     finally:
         for fd in fds.values():
             os.close(fd)
-    return sum(loc.length for loc in locs) / seconds / 1e9
+
+
+def _timed_map(fn, items, threads: int) -> float:
+    """Seconds to run ``fn`` on every item, ``threads`` at a time."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(fn, items))
+    return time.perf_counter() - start
