@@ -53,6 +53,12 @@ def _check_range(name: str, value, low, high, kind=int) -> None:
         raise ValueError(f"{name}={value!r}: must be in [{low}, {high}]")
 
 
+def check_direct_io(value) -> None:
+    """``direct_io`` (``TierConfig``, ``DiskTier``) is "auto", True or False."""
+    if not (isinstance(value, bool) or value == "auto"):
+        raise ValueError(f"direct_io={value!r}: expected 'auto', True or False")
+
+
 CODECS = ("raw", "zstd", "int8", "int4")
 LOSSY_CODECS = ("int8", "int4")
 
@@ -142,9 +148,7 @@ class TierConfig:
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device={self.device!r}: must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
         _check_range("io_threads", self.io_threads, 1, 256)
-        if self.direct_io not in (True, False, "auto") or isinstance(self.direct_io, int) and \
-                not isinstance(self.direct_io, bool):
-            raise ValueError(f"direct_io={self.direct_io!r}: expected 'auto', True or False")
+        check_direct_io(self.direct_io)
         if not isinstance(self.codec, CodecConfig):
             raise ValueError(f"codec={self.codec!r}: expected a CodecConfig")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from ..config import CodecConfig, parse_size
+from ..config import CodecConfig, check_direct_io, parse_size
 from .base import CorruptRecordError, KVBlock, RecordKey, Tier, TierFullError
 from .codec import Codec, codec_by_id, codec_name_by_id, decode_block, encode_block, make_codec
 from .diskmeta import DocMeta
@@ -74,9 +74,7 @@ class DiskTier(Tier):
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) \
                 or not 1 <= io_threads <= 256:
             raise ValueError(f"io_threads={io_threads!r}: must be an integer in [1, 256]")
-        if direct_io not in (True, False, "auto") or isinstance(direct_io, int) and \
-                not isinstance(direct_io, bool):
-            raise ValueError(f"direct_io={direct_io!r}: expected 'auto', True or False")
+        check_direct_io(direct_io)
         size = parse_size(segment_size, "segment_size")
         if not 4096 <= size <= 2**40:
             raise ValueError(f"segment_size={size}: must be in [4KiB, 1TiB]")

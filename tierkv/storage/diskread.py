@@ -19,10 +19,11 @@ when its records outgrow the machine's available memory (``DiskTier.direct_io``)
 project's virtio disk (page cache dropped), a step reading every record of a 64K-token context
 (4.6 GB, scattered 1 MiB records) took 4.5-5.1 s against 7.8 through the page cache
 (``bench.scale``); records read in disk order came 1.2x faster at 1-4 MiB and 0.6x as fast at
-64 KiB (``bench.storage``). Records the page cache holds come 1.8x faster through it. Tensor bytes lie in the buffer as they lie in the file, so a raw record
-whose bytes are not aligned to its dtype is copied by its decode: records of a segment start
-157 bytes before their tensor bytes and raw records of one shape have one odd length, so half of
-fp16 records and three quarters of fp32 ones are copied.
+64 KiB (``bench.storage``). Records the page cache holds come 1.8x faster through it. Tensor
+bytes lie in the buffer as they lie in the file, so a raw record whose bytes are not aligned to
+its dtype is copied by its decode: records of a segment start 157 bytes before their tensor
+bytes and raw records of one shape have one odd length, so half of fp16 records and three
+quarters of fp32 ones are copied.
 """
 from __future__ import annotations
 
@@ -69,9 +70,9 @@ def read_batch(files, keys: list[RecordKey], locs: list, pool, threads: int, dec
     Raises CorruptRecordError for a record that fails its checks or cannot be read, and
     FileNotFoundError when a segment was deleted since ``locs`` was looked up.
     """
-    if direct:
-        return _read_direct(files, keys, locs, pool, threads, decode)
     order = sorted(range(len(locs)), key=lambda i: (locs[i].segment, locs[i].offset))
+    if direct:
+        return _read_direct(files, keys, locs, order, pool, threads, decode)
     pos, pad, total = [0] * len(locs), [0] * len(locs), 0
     body = HEADER.size + BLOCK_HEADER_SIZE
     for i in order:  # a lead before each record aligns its tensor bytes: bytes read from
@@ -185,7 +186,8 @@ DIRECT_AVAILABLE = hasattr(os, "O_DIRECT")
 DIRECT_BLOCK = 4096  # O_DIRECT's alignment of file offsets, lengths and memory (512 on most disks)
 
 
-def _read_direct(files, keys: list[RecordKey], locs: list, pool, threads: int, decode) -> list:
+def _read_direct(files, keys: list[RecordKey], locs: list, order: list[int], pool, threads: int,
+                 decode) -> list:
     """``read_batch`` with O_DIRECT: the disk's data lands in the buffer with no page-cache copy
     and no readahead past the records, which scattered reads pay for in bandwidth.
 
@@ -193,9 +195,8 @@ def _read_direct(files, keys: list[RecordKey], locs: list, pool, threads: int, d
     a span, up to about an equal share of the batch per thread, so that the threads also share
     the checks and decodes), each span at a block-aligned place of the buffer; a record lies in
     its span where it lies in its blocks. Tensor bytes are aligned as in the file (module
-    docstring).
+    docstring). ``order``: the records' indices in disk order.
     """
-    order = sorted(range(len(locs)), key=lambda i: (locs[i].segment, locs[i].offset))
     spans = _direct_spans(order, locs, sum(loc.length for loc in locs) // threads)
     starts, total = [], 0
     for _, lo, hi, _ in spans:

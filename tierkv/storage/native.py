@@ -1,6 +1,6 @@
 """Byte shuffles and gathered file reads: the C helpers of ``tierkv._native`` when built,
 numpy / ``os.preadv`` fallbacks with identical results otherwise. ``crc32``: zlib-ng's (SIMD,
-about 4x the standard library's on this project's machine) when installed, else ``zlib.crc32``;
+3.6x the standard library's on this project's machine) when installed, else ``zlib.crc32``;
 the same values (zlib's polynomial), both release the GIL.
 
 ``shuffle_py``, ``unshuffle_py`` and ``pread_extents_py`` are always the fallbacks, so tests and
