@@ -7,6 +7,7 @@ import torch
 from tierkv.config import ChunkConfig, SelectConfig
 from tierkv.hf.groups import GroupIndex
 from tierkv.policies import Policy, make_policy
+from tierkv.shapes import KVShape
 from tierkv.tree import SplitRequest
 
 KV, DIM = 2, 4
@@ -201,18 +202,42 @@ def test_leaf_fill_keeps_the_records_it_moves_within_the_move_factor():
     assert spec.tokens == 24 and spec.positions.tolist() == list(range(20))
 
 
+def preselecting_cache(index, device: int):
+    """A stand-in for a TieredCache of 6 layers in groups (0,), (1,) (the filter layer) and
+    (2, 3, 4, 5), 8-token records, 1040 tokens of context, ``device`` bytes of device tier."""
+    groups = [(0,), (1,), (2, 3, 4, 5)]
+    return SimpleNamespace(store=SimpleNamespace(device=SimpleNamespace(budget=device)),
+                           group_bytes=lambda layer: 1 << 20, index_of=lambda layer: index,
+                           get_seq_length=lambda: 1040, shape=KVShape(6, KV, DIM), groups=groups,
+                           group_of=[0, 1, 2, 2, 2, 2], record_tokens=[8, 8, 8],
+                           indexes=[index] * 3, spare_tokens=lambda g: 32 + 8)
+
+
+def preselected_tokens(budget: float, device: int) -> int:
+    index, _ = index_over(1024, 8)
+    policy = make_policy("tierkv", 6, SelectConfig(budget=budget, filter_layers=(1,)), CHUNKS, {})
+    q = torch.randn(2 * KV, 1, DIM, generator=torch.Generator().manual_seed(0))
+    leaves = policy.preselect(preselecting_cache(index, device), 1, q)
+    return int(index.tree.sizes[leaves].sum())
+
+
 @pytest.mark.parametrize("budget, candidates", [(0.05, 409), (0.25, 4 * (260 - 32))])
 def test_preselection_scores_at_least_its_floor_of_the_context(budget, candidates):
     """A filter layer's LKA preselection keeps PRESELECT_FACTOR x the budget, and never less
-    than PRESELECT_FLOOR (0.4) of the sealed context."""
-    index, _ = index_over(1024, 8)
-    cache = SimpleNamespace(store=SimpleNamespace(device=SimpleNamespace(budget=4096)),
-                            group_bytes=lambda layer: 1 << 20, index_of=lambda layer: index,
-                            get_seq_length=lambda: 1040)
-    policy = make_policy("tierkv", 6, SelectConfig(budget=budget, filter_layers=(1,)), CHUNKS, {})
-    q = torch.randn(2 * KV, 1, DIM, generator=torch.Generator().manual_seed(0))
-    leaves = policy.preselect(cache, 1, q)
-    tokens = int(index.tree.sizes[leaves].sum())
+    than PRESELECT_FLOOR (0.4) of the sealed context, when the device tier has room for it."""
+    tokens = preselected_tokens(budget, 3 << 20)
+    assert candidates - CHUNKS.base < tokens <= candidates
+
+
+@pytest.mark.parametrize("room, candidates", [(200, 200), (0, 2 * 20)])
+def test_preselection_stays_within_the_device_room(room, candidates):
+    """Candidates fit beside the widest selecting group's fetch and the windows, down to
+    PRESELECT_MIN_FACTOR x the budget. At 5 % of 1040 tokens the budget is 52 - 32 (window)
+    = 20 tokens, 36 for the selecting group (16 tokens unsealed); the group's fetch takes
+    4 layers x (36 + 40 spare) tokens, the windows 6 x (32 + 8), 64 B a token and layer."""
+    per_token = KVShape(6, KV, DIM).token_bytes(1)
+    assert per_token == 64
+    tokens = preselected_tokens(0.05, (4 * (36 + 40) + 6 * 40 + room) * per_token)
     assert candidates - CHUNKS.base < tokens <= candidates
 
 
