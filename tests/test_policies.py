@@ -213,9 +213,10 @@ def preselecting_cache(index, device: int):
                            indexes=[index] * 3, spare_tokens=lambda g: 32 + 8)
 
 
-def preselected_tokens(budget: float, device: int) -> int:
+def preselected_tokens(budget: float, device: int, fetch_unit: str = "record") -> int:
     index, _ = index_over(1024, 8)
-    policy = make_policy("tierkv", 6, SelectConfig(budget=budget, filter_layers=(1,)), CHUNKS, {})
+    select = SelectConfig(budget=budget, filter_layers=(1,), fetch_unit=fetch_unit)
+    policy = make_policy("tierkv", 6, select, CHUNKS, {})
     q = torch.randn(2 * KV, 1, DIM, generator=torch.Generator().manual_seed(0))
     leaves = policy.preselect(preselecting_cache(index, device), 1, q)
     return int(index.tree.sizes[leaves].sum())
@@ -229,15 +230,17 @@ def test_preselection_scores_at_least_its_floor_of_the_context(budget, candidate
     assert candidates - CHUNKS.base < tokens <= candidates
 
 
+@pytest.mark.parametrize("fetch_unit, fetched", [("record", 36), ("leaf", 54)])
 @pytest.mark.parametrize("room, candidates", [(200, 200), (0, 2 * 20)])
-def test_preselection_stays_within_the_device_room(room, candidates):
+def test_preselection_stays_within_the_device_room(room, candidates, fetch_unit, fetched):
     """Candidates fit beside the widest selecting group's fetch and the windows, down to
     PRESELECT_MIN_FACTOR x the budget. At 5 % of 1040 tokens the budget is 52 - 32 (window)
-    = 20 tokens, 36 for the selecting group (16 tokens unsealed); the group's fetch takes
-    4 layers x (36 + 40 spare) tokens, the windows 6 x (32 + 8), 64 B a token and layer."""
+    = 20 tokens, 36 for the selecting group (16 tokens unsealed), whose records bring up to
+    1.5 x that with leaf fetch units (LEAF_MOVE_FACTOR); the group's fetch takes 4 layers x
+    (fetched + 40 spare) tokens, the windows 6 x (32 + 8), 64 B a token and layer."""
     per_token = KVShape(6, KV, DIM).token_bytes(1)
     assert per_token == 64
-    tokens = preselected_tokens(0.05, (4 * (36 + 40) + 6 * 40 + room) * per_token)
+    tokens = preselected_tokens(0.05, (4 * (fetched + 40) + 6 * 40 + room) * per_token, fetch_unit)
     assert candidates - CHUNKS.base < tokens <= candidates
 
 

@@ -17,7 +17,7 @@ the context needed a device budget of 6.1 % of the KV (raised after a TierFullEr
 in 5.0 %, at the same top-1 agreement (0.922) and with 22 % less read from disk.
 """
 from .base import register
-from .omnikv import OmniKV
+from .omnikv import LEAF_MOVE_FACTOR, OmniKV
 
 PRESELECT_FACTOR = 4
 PRESELECT_FLOOR = 0.4
@@ -47,12 +47,14 @@ class TierKV(OmniKV):
 
     def device_room(self, cache, layer) -> int:
         """Tokens of filter ``layer``'s group the device tier holds beside the widest selecting
-        group's fetch (its budget and the room for its window) and every layer's recent window
-        (at most ``window + record_tokens`` tokens each)."""
+        group's fetch (its budget, ``LEAF_MOVE_FACTOR`` x with ``fetch_unit="leaf"``, and the room
+        for its window) and every layer's recent window (at most ``window + record_tokens``
+        tokens each)."""
         per_token = cache.shape.token_bytes(1)
         windows = sum(len(group) * (self.select.window + tokens)
                       for group, tokens in zip(cache.groups, cache.record_tokens))
-        widest = max((len(group) * (self.budget(cache, g) + cache.spare_tokens(g))
+        moved = LEAF_MOVE_FACTOR if self.select.fetch_unit == "leaf" else 1
+        widest = max((len(group) * (int(moved * self.budget(cache, g)) + cache.spare_tokens(g))
                       for g, group in enumerate(cache.groups) if self._selects(group)), default=0)
         free = cache.store.device.budget - (windows + widest) * per_token
         return max(0, free) // cache.shape.token_bytes(len(cache.groups[cache.group_of[layer]]))
