@@ -88,7 +88,8 @@ def run_generate(args) -> int:
             cache, figures = _reopen(args, model, doc, turn, stack)
         else:
             cache, figures = _prefilled(args, model, tok, document, turn, stack)
-        figures.update(_answer(args, model, tok, cache, turn))
+        room = answer_room(model, cache.token_ids.shape[1], turn.shape[1], args.max_new_tokens)
+        figures.update(_answer(args, model, tok, cache, turn, room))
         print_table(run_rows(figures) + kv_rows(cache))
     return 0
 
@@ -144,13 +145,36 @@ def _prefilled(args, model, tok, document: str, turn: torch.Tensor, stack: ExitS
     return cache, {"prefill_s": seconds, "document_tokens": ids.shape[1]}
 
 
+def model_context(model) -> int | None:
+    """The model's context in tokens (``max_position_embeddings``), None when it names none."""
+    return getattr(text_config(model.config), "max_position_embeddings", None)
+
+
 def check_context(model, document: int, question: int, source: str) -> None:
-    """Refuse a document and question longer than the model's context, before the model runs."""
-    context = getattr(text_config(model.config), "max_position_embeddings", None)
-    if context is not None and document + question > context:
-        raise ValueError(f"{source}: the document is {document} tokens and the question "
-                         f"{question}, {document + question} in all: more than the model's "
-                         f"context of {context} tokens")
+    """Refuse a document and question that leave no room for an answer in the model's context,
+    before the model runs."""
+    context = model_context(model)
+    if context is None or document + question < context:
+        return
+    total = (f"the document is {document} tokens and the question {question}, "
+             f"{document + question} in all")
+    if document + question > context:
+        raise ValueError(f"{source}: {total}: more than the model's context of {context} tokens")
+    raise ValueError(f"{source}: {total}: the whole of the model's context of {context} tokens, "
+                     "with no room left for an answer")
+
+
+def answer_room(model, document: int, question: int, wanted: int) -> int:
+    """``wanted`` new tokens, or fewer when the document and question leave less room in the
+    model's context (said on stderr): past it, positions are ones the model never saw."""
+    context = model_context(model)
+    if context is None or document + question + wanted <= context:
+        return wanted
+    room = context - document - question
+    print(f"the answer is capped at {room} tokens (--max-new-tokens {wanted}): the document and "
+          f"question take {document + question} of the model's {context}-token context",
+          file=sys.stderr)
+    return room
 
 
 def _select(args, base) -> SelectConfig | None:
@@ -160,8 +184,9 @@ def _select(args, base) -> SelectConfig | None:
     return dataclasses.replace(base(), **given) if given else None
 
 
-def _answer(args, model, tok, cache, turn: torch.Tensor) -> dict:
-    """Stream the answer to ``turn`` (the question's ids) to stdout; its timings and disk reads."""
+def _answer(args, model, tok, cache, turn: torch.Tensor, new_tokens: int) -> dict:
+    """Stream the answer to ``turn`` (the question's ids), at most ``new_tokens`` tokens, to
+    stdout; its timings and disk reads."""
     ids = torch.cat([cache.token_ids, turn], dim=1)
     streamer = TimedStreamer(tok, cache)
     sys.stdout.write(args.answer_prefix)
@@ -169,7 +194,7 @@ def _answer(args, model, tok, cache, turn: torch.Tensor) -> dict:
     try:
         with torch.no_grad():
             model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                           max_new_tokens=args.max_new_tokens, do_sample=False, streamer=streamer)
+                           max_new_tokens=new_tokens, do_sample=False, streamer=streamer)
     except BaseException:
         sys.stdout.write("\n")  # an error mid-answer goes on a line of its own
         sys.stdout.flush()

@@ -355,6 +355,43 @@ def test_a_document_past_the_models_context_is_refused_before_prefill(model_and_
                      r"\d+ in all: more than the model's context of 8192 tokens$", last_line(err))
 
 
+def test_an_answer_that_would_pass_the_models_context_is_capped(saved, monkeypatch, capsys):
+    """With room for 2 answer tokens left in the context (made small here: the saved document
+    takes a few hundred of SmolLM2's 8192), --max-new-tokens 6 generates 2 and says so."""
+    from tierkv import cli_generate
+
+    work, fact, _ = saved
+    monkeypatch.chdir(work)
+    seen, real_check, real_generate = {}, cli_generate.check_context, None
+
+    def check(model, document, question, source):
+        seen["context"] = document + question + 2
+        return real_check(model, document, question, source)
+
+    def generate(*args, **kwargs):
+        seen["max_new_tokens"] = kwargs["max_new_tokens"]
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(cli_generate, "check_context", check)
+    monkeypatch.setattr(cli_generate, "model_context", lambda model: seen["context"])
+    real_load = cli_generate._load
+
+    def load(name):
+        nonlocal real_generate
+        model, tok = real_load(name)
+        real_generate = model.generate
+        monkeypatch.setattr(model, "generate", generate)
+        return model, tok
+
+    monkeypatch.setattr(cli_generate, "_load", load)
+    status, err = run_main(["generate", "--load", "saved", "--question", fact.question,
+                            "--answer-prefix", fact.answer_prefix, *BUDGETS], capsys)
+    assert status == 0, err
+    assert seen["max_new_tokens"] == 2
+    assert (f"the answer is capped at 2 tokens (--max-new-tokens 6): the document and question "
+            f"take {seen['context'] - 2} of the model's {seen['context']}-token context") in err
+
+
 def test_inspect_into_a_closed_pipe_exits_141_quietly(tmp_path):
     """``tierkv inspect DIR | head`` whose reader went away: status 141, as a shell reports a
     writer killed by SIGPIPE (1 would say the store is not whole), and no noise on stderr."""
