@@ -14,6 +14,7 @@ last layer of a group has done so, the group's chunks are sealed into the store 
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -136,6 +137,7 @@ class TieredCache(Cache):
         self._in_forward = False  # a forward pass has begun and its last layer not yet attended
         self._failed: str | None = None  # what broke a forward pass part-way, if anything did
         self.steps = 0  # decode steps so far: the importance of what a step reads or seals
+        self._pinned: set[int] = set()  # groups whose records were sealed or read as PINNED
         self.token_ids = torch.zeros(1, 0, dtype=torch.long)
         self.snapshot: set | None = None  # disk records of the saved document this cache holds
         self.prefill_blocks = None  # a group's sealed records on the host during a new prompt
@@ -336,8 +338,17 @@ class TieredCache(Cache):
         return self.indexes[g].sealed * self.shape.token_bytes(len(self.groups[g]))
 
     def _importance(self, group: int) -> float:
-        """Rank of the records ``group`` reads or seals now (see ``PINNED``)."""
-        return PINNED if self.policy.dense(self, self.groups[group][0]) else float(self.steps)
+        """Rank of the records ``group`` reads or seals now (see ``PINNED``); a group read whole
+        while short, selectively once longer, unpins its records (they would hold the host)."""
+        if self.policy.dense(self, self.groups[group][0]):
+            self._pinned.add(group)
+            return PINNED
+        if group in self._pinned:
+            self._pinned.discard(group)
+            for key in self.indexes[group].keys:
+                with contextlib.suppress(KeyError):  # sealed, not yet stored: put at this rank
+                    self.store.set_importance(key, float(self.steps))
+        return float(self.steps)
 
     # -- sealing ------------------------------------------------------------------------
     def _look_ahead(self, g: int, early: bool = False) -> None:
