@@ -209,8 +209,8 @@ def preselecting_cache(index, device: int):
     return SimpleNamespace(store=SimpleNamespace(device=SimpleNamespace(budget=device)),
                            group_bytes=lambda layer: 1 << 20, index_of=lambda layer: index,
                            get_seq_length=lambda: 1040, shape=KVShape(6, KV, DIM), groups=groups,
-                           group_of=[0, 1, 2, 2, 2, 2], record_tokens=[8, 8, 8],
-                           indexes=[index] * 3, spare_tokens=lambda g: 32 + 8)
+                           group_of=[0, 1, 2, 2, 2, 2], indexes=[index] * 3,
+                           spare_tokens=lambda g: 32 + 8)  # window + record tokens
 
 
 def preselected_tokens(budget: float, device: int, fetch_unit: str = "record") -> int:

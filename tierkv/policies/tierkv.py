@@ -48,11 +48,9 @@ class TierKV(OmniKV):
     def device_room(self, cache, layer) -> int:
         """Tokens of filter ``layer``'s group the device tier holds beside the widest selecting
         group's fetch (its budget, ``LEAF_MOVE_FACTOR`` x with ``fetch_unit="leaf"``, and the room
-        for its window) and every layer's recent window (at most ``window + record_tokens``
-        tokens each)."""
+        for its window) and every layer's recent window (at most ``spare_tokens`` each)."""
         per_token = cache.shape.token_bytes(1)
-        windows = sum(len(group) * (self.select.window + tokens)
-                      for group, tokens in zip(cache.groups, cache.record_tokens))
+        windows = sum(len(group) * cache.spare_tokens(g) for g, group in enumerate(cache.groups))
         moved = LEAF_MOVE_FACTOR if self.select.fetch_unit == "leaf" else 1
         widest = max((len(group) * (int(moved * self.budget(cache, g)) + cache.spare_tokens(g))
                       for g, group in enumerate(cache.groups) if self._selects(group)), default=0)
