@@ -244,6 +244,26 @@ def test_preselection_stays_within_the_device_room(room, candidates, fetch_unit,
     assert candidates - CHUNKS.base < tokens <= candidates
 
 
+@pytest.mark.parametrize("device, narrowed", [(3 << 20, True), (4 << 20, False)])
+def test_layers_before_the_first_filter_preselect_like_it(device, narrowed):
+    """``tierkv`` narrows the layers before the first filter layer (read whole by ``omnikv``)
+    by the same rule as the filter layers: once their group's KV (1 MiB here) outgrows a
+    quarter of the device tier. The layers after a filter layer keep reusing its choice."""
+    index, _ = index_over(1024, 8)
+    cache = preselecting_cache(index, device)
+    select = SelectConfig(budget=0.25, filter_layers=(1,))
+    q = torch.randn(2 * KV, 1, DIM, generator=torch.Generator().manual_seed(0))
+    tierkv, plain = (make_policy(name, 6, select, CHUNKS, {}) for name in ("tierkv", "omnikv"))
+    assert plain.fetch(cache, 0, q) is None and plain.dense(cache, 0)
+    assert [tierkv.preselects(cache, layer) for layer in range(6)] == [narrowed] * 2 + [False] * 4
+    assert tierkv.dense(cache, 0) is not narrowed
+    leaves = tierkv.fetch(cache, 0, q)
+    if narrowed:
+        assert 0 < int(index.tree.sizes[leaves].sum()) < index.sealed
+    else:
+        assert leaves is None
+
+
 @pytest.mark.parametrize("name", ["omnikv", "tierkv"])
 @pytest.mark.parametrize("filters, layer", [((2, 50), 50), ((2, 29), 29)])
 def test_filter_layers_at_or_past_the_last_layer_are_refused(name, filters, layer):

@@ -126,8 +126,9 @@ def run_calibrate(args) -> int:
 def _check_replaceable_profile(path: Path, model, name: str) -> None:
     """Refuse to replace the profile at ``path`` when it was made for another model than the one
     ``--model name`` loaded: shipped for the model of that name (``name`` is a local directory
-    named like it), recording another model, or not fitting this one."""
-    from .hf.model import SHIPPED
+    named like it, not the one tierkv converted the shipped model into), recording another
+    model, or not fitting this one."""
+    from .hf.model import SHIPPED, shipped_name_of
     from .hf.profile import load_profile, model_id
 
     if not path.is_file():
@@ -137,7 +138,7 @@ def _check_replaceable_profile(path: Path, model, name: str) -> None:
         recorded = load_profile(model, path.parent).get("model", this)
     except ValueError:
         recorded = None
-    if this in SHIPPED and name != this:
+    if this in SHIPPED and this not in (name, shipped_name_of(name)):
         why = f"shipped for the {this} model, not this local directory"
     elif recorded is None:
         why = "that does not fit this model"

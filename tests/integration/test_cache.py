@@ -422,24 +422,26 @@ def test_profiles_and_filter_layers_are_checked_against_the_model(model_and_tok,
 
 
 def test_a_filter_layer_that_starts_preselecting_unpins_its_records(model_and_tok):
-    """A filter layer's records, read whole (pinned on the host) while the context is short,
-    rank by the step like the others' once the context outgrows a quarter of the device tier
-    and the layer preselects: pinned, they would hold the host tier for good."""
+    """The records of a filter layer and of a layer before it, read whole (pinned on the host)
+    while the context is short, rank by the step like the others' once the context outgrows a
+    quarter of the device tier and the layers preselect: pinned, they would hold the host tier
+    for good."""
     from tierkv.hf.cache import PINNED
 
     model, tok = model_and_tok
     ids = tok(make_document(tok, 1600, 3), return_tensors="pt")["input_ids"][:, :1400]
     config = TierConfig(device_budget="6MB", host_budget="1GB")  # preselects past ~1020 tokens
     with TieredCache(model, config, "tierkv") as cache, torch.no_grad():
-        layer = cache.policy.filters[0]
-        index = cache.index_of(layer)
+        layers = (0, cache.policy.filters[0])
         ranks = cache.store._ranks
         out = model(ids[:, :300], past_key_values=cache, use_cache=True)
         model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
-        first = index.keys[0]
-        assert not cache.policy.preselects(cache, layer) and ranks.importance(first) == PINNED
+        firsts = [cache.index_of(layer).keys[0] for layer in layers]
+        for layer, first in zip(layers, firsts):
+            assert not cache.policy.preselects(cache, layer) and ranks.importance(first) == PINNED
         for start in range(301, ids.shape[1], 350):  # prompts of a few hundred tokens each
             out = model(ids[:, start:start + 350], past_key_values=cache, use_cache=True)
         model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
-        assert cache.policy.preselects(cache, layer)
-        assert ranks.importance(first) == cache.steps and first in index.keys
+        for layer, first in zip(layers, firsts):
+            assert cache.policy.preselects(cache, layer)
+            assert ranks.importance(first) == cache.steps and first in cache.index_of(layer).keys

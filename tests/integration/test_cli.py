@@ -440,3 +440,28 @@ def test_calibrate_keeps_a_profile_of_another_model(model_and_tok, monkeypatch, 
     assert json.loads((tmp_path / "out" / "smollm2-135m.json").read_text()) == mine
     assert main(["calibrate", "--model", str(local), "--force"]) == 0
     assert json.loads((shipped / "smollm2-135m.json").read_text()) == mine
+
+
+def test_calibrate_of_the_shipped_models_converted_directory_replaces_its_profile(
+        model_and_tok, monkeypatch, capsys, tmp_path):
+    """The directory tierkv converted the shipped model into is that model: calibrating it
+    replaces the shipped profile with no --force (a copy of that directory still needs one)."""
+    import json
+
+    from tierkv.hf import calibrate, profile
+    from tierkv.hf.model import resolve
+
+    converted = resolve("smollm2-135m")
+    shipped = tmp_path / "profiles"
+    shutil.copytree(profile.PROFILES, shipped)
+    monkeypatch.setattr(profile, "PROFILES", shipped)
+    mine = {"model": "smollm2-135m", "filter_layers": [3, 9, 18]}
+    monkeypatch.setattr(calibrate, "calibrate", lambda model, tok: mine)
+    copy = tmp_path / "copy" / "smollm2-135m"  # its files linked: the weights are 0.5 GB
+    copy.mkdir(parents=True)
+    for file in converted.iterdir():
+        (copy / file.name).symlink_to(file)
+    status, err = run_main(["calibrate", "--model", str(copy)], capsys)
+    assert status == 2 and "not this local directory" in last_line(err), err
+    assert main(["calibrate", "--model", str(converted)]) == 0
+    assert json.loads((shipped / "smollm2-135m.json").read_text()) == mine

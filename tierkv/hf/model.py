@@ -65,6 +65,16 @@ def _convert(name: str, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def shipped_name_of(path: str | os.PathLike) -> str | None:
+    """The shipped model whose converted directory ``path`` is (``resolve`` made it), or None."""
+    path = Path(path).expanduser().resolve()
+    for name in SHIPPED:
+        target = cache_dir() / name
+        if path == target.resolve() and (target / _MARKER).is_file():
+            return name
+    return None
+
+
 def resolve(name_or_path: str | os.PathLike) -> Path:
     """The local directory of a model name or path (converting a shipped model once)."""
     text = str(name_or_path)

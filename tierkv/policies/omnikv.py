@@ -23,9 +23,10 @@ from .base import Policy, filter_layers_of, keys_lookup, register
 
 # Proposed by `tierkv calibrate` for SmolLM2-135M (inter-layer attention similarity).
 DEFAULT_FILTERS = (2, 8, 16)
-# Records of the layers that always attend densely (before the first filter layer, and the one
-# after a filter layer with ``full_after_filter``): nothing selects among their chunks, so they
-# are sealed in large records and a step brings each such layer up in a few reads and copies.
+# Records of the layers that attend densely (before the first filter layer, and the one after a
+# filter layer with ``full_after_filter``): no filter layer selects among their chunks, so they
+# are sealed in large records and a step brings each such layer up in a few reads and copies
+# (``tierkv`` preselects the first kind on long contexts, among these large chunks).
 DENSE_RECORD_TOKENS = 128
 # Records of the filter layers: read whole, or (``tierkv`` on long contexts) preselected by
 # their LKA bounds with a wide margin, so coarser chunks than the selecting layers' serve them.
@@ -110,18 +111,18 @@ class OmniKV(Policy):
     def fetch(self, cache, layer, q):
         if self.is_selecting(cache, layer):
             return cache.selection(cache.group_of[layer])
-        return self.preselect(cache, layer, q) if layer in self.filters else None
+        return self.preselect(cache, layer, q)
 
     def dense(self, cache, layer):
-        return not self.is_selecting(cache, layer) and not (
-            layer in self.filters and self.preselects(cache, layer))
+        return not self.is_selecting(cache, layer) and not self.preselects(cache, layer)
 
     def preselects(self, cache, layer) -> bool:
-        """Whether filter ``layer`` narrows its own KV before scoring it (not in ``omnikv``)."""
+        """Whether ``layer``, not selecting, narrows its own KV before attending to it (never
+        in ``omnikv``)."""
         return False
 
     def preselect(self, cache, layer, q):
-        """What a filter layer reads of its own KV: all of it (``omnikv``)."""
+        """What a layer that does not select reads of its own KV: all of it (``omnikv``)."""
         return None
 
     def attend(self, cache, layer, q, k, v, positions, scaling):
