@@ -12,6 +12,8 @@ the transfers of a long context. Measured on SmolLM2 (layers 0 and 1 before filt
   against 133 / 128 ms per token).
 * ``bench.quality``'s contexts, ``tierkv`` only: top-1 agreement 0.750 / 0.859 / 0.906 at
   5 / 10 / 25 % against 0.755 / 0.859 / 0.906 (one token of 192 differs), pass-key unchanged.
+  Sealing those layers in 32-token records (the filter layers') instead of ``DENSE_RECORD_TOKENS``
+  gave the same three figures, so they keep the larger records (fewer reads).
 
 The candidates are ``PRESELECT_FACTOR`` x the token budget, and at least ``PRESELECT_FLOOR`` of
 the context: the bounds rank loosely, and what the filter layer does not score, no following
