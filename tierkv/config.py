@@ -221,8 +221,8 @@ class SelectConfig:
     read and moved whole. On SmolLM2:
 
     * 8K decode, 64 steps (``bench.decode --cases tierkv --fetch-unit leaf``): top-1 agreement
-      0.969 against 0.922, for 25.5 MB read from disk per token against 12.2 and a device peak
-      of 30.4 MB against 23.1.
+      0.953 against 0.922, for 9.6 MB read from disk per token against 3.45 and a device peak
+      of 27.3 MB against 18.9.
     * 2K/4K/8K contexts, 64 teacher-forced tokens each, device tier 4x ``bench.quality``'s:
       top-1 0.870 against 0.859 at a 10 % budget, 0.818 against 0.766 at 5 %.
     """

@@ -34,7 +34,9 @@ FILTER_RECORD_TOKENS = 32
 # With ``fetch_unit="leaf"``, the records a step's chosen leaves bring stay within this many
 # times the token budget. 8K decode on SmolLM2 (64 steps, ``bench.decode --fetch-unit leaf``):
 # top-1 / MB read from disk per token: 0.922 / 12.8 at 1x, 0.938 / 20.7 at 1.25x, 0.969 / 25.5
-# at 1.5x, 0.953 / 34.2 at 2x, 0.953 / 35.3 with no limit (whole records: 0.922 / 12.2).
+# at 1.5x, 0.953 / 34.2 at 2x, 0.953 / 35.3 with no limit (whole records: 0.922 / 12.2), when
+# the factor was chosen; with today's host ranking and preselection, 0.953 / 9.6 at 1.5x
+# (whole records: 0.922 / 3.45).
 LEAF_MOVE_FACTOR = 1.5
 # Adaptive trees fold a filter layer's scores in every this many decode steps: the tree follows
 # where attention settles over steps. On SmolLM2 at 8K (3 selecting groups of 600-800 leaves,
