@@ -92,6 +92,14 @@ class FakeStore:
                 return name
         return "disk" if key in self.disk.records else None
 
+    def locate(self, keys):
+        found = []
+        for key in keys:
+            where = self.where(key)
+            found.append((getattr(self, where).get(key) if where in ("device", "host") else None,
+                          where))
+        return found
+
     def fetch(self, keys, device):
         out = []
         for key in keys:
@@ -237,6 +245,22 @@ def test_worker_failure_mid_plan_names_the_record():
             pipe.submit(plan).wait(1)
 
 
+@pytest.mark.parametrize("bad, match", [
+    (lambda key: make_block(RecordKey(key.doc, key.group, key.start, key.end + 2)),
+     "holds 18 tokens but"),
+    (lambda key: KVBlock(*(t[..., :4].contiguous() for t in make_block(key))), "differs from"),
+])
+def test_a_disk_record_that_does_not_fit_its_plan_is_named(bad, match):
+    """Blocks decoded from disk are checked (the tiers checked theirs as they were put)."""
+    store, keys = filled_store()
+    wrong = keys[1][1]                                     # on disk, after a host record
+    store.disk.put(wrong, bad(wrong))
+    with Pipeline(store, CPU) as pipe:
+        with pytest.raises(FetchError, match=match) as info:
+            pipe.submit(FetchPlan([(1, keys[1])])).wait(1)
+    assert info.value.key == wrong
+
+
 def test_os_error_from_read_surfaces(monkeypatch):
     store, keys = filled_store()
 
@@ -378,6 +402,31 @@ def test_metrics_steps_and_loose_records():
     assert 0 < summary["stall_frac_per_step"][0] < 0.5
     with pytest.raises(ValueError, match="source"):
         metrics.record_delivery("tape", 1)
+    metrics.step_begin()
+    metrics.record_deliveries(["host", "disk", "host"], [10, 20, 30])
+    metrics.step_end()
+    assert metrics.step(1)["bytes"] == {"cache": 50, "device": 0, "host": 40, "disk": 20}
+    assert metrics.step(1)["records"] == {"cache": 1, "device": 0, "host": 2, "disk": 1}
+    with pytest.raises(ValueError, match="'tape'"):
+        metrics.record_deliveries(["host", "tape"], [1, 1])
+    assert metrics.summary()["total"]["bytes"]["host"] == 40  # nothing of the refused batch
+
+
+def test_device_cache_get_many_is_get_of_each_key():
+    from tierkv.storage.device import DeviceTier
+
+    tier = DeviceTier(1 << 20, torch.device("cpu"))
+    cache = DeviceCache(tier)
+    keys = [RecordKey("d", 0, 8 * i, 8 * i + 8) for i in range(4)]
+    assert cache.get_many(keys) == [None] * 4 and cache.misses == 4
+    for i in (0, 2):
+        cache.admit(keys[i], KVBlock(torch.full((1, 1, 8, 4), float(i)),
+                                     torch.zeros(1, 1, 8, 4)), importance=1.0)
+    tier.remove(keys[2])                                   # dropped by the store meanwhile
+    got = cache.get_many(keys, importance=[5.0, 5.0, 5.0, 5.0], priority=1)
+    assert got[0].keys[0, 0, 0, 0] == 0.0 and got[1:] == [None, None, None]
+    assert (cache.hits, cache.misses) == (1, 7) and keys[2] not in cache._rank
+    assert cache._rank[keys[0]][:2] == (1, 5.0)            # the hit took the read's rank
 
 
 @pytest.mark.cuda

@@ -9,7 +9,7 @@ import torch
 
 from tierkv.config import CodecConfig, TierConfig
 from tierkv.shapes import KVShape
-from tierkv.storage import KVStore, RecordKey, TierFullError
+from tierkv.storage import KVStore, RecordKey, StorageError, TierFullError
 from tierkv.storage.ranking import Ranking
 
 SHAPE = KVShape(layers=2, kv_heads=2, head_dim=8)
@@ -185,6 +185,42 @@ def test_ranking_re_ranked_every_step_keeps_its_heap_small_and_its_order():
     assert len(ranks._heap) <= 2 * len(keys) + 1024
     assert ranks.coldest(set(keys), exclude=None) == keys[5]
     assert keys[0] in ranks.keys() and _key(99) not in ranks.keys()
+
+
+def test_ranking_raise_many_ranks_as_raise_to_one_by_one():
+    one, many = Ranking(), Ranking()
+    keys = [_key(i) for i in range(40)]
+    rng = random.Random(3)
+    for ranks in (one, many):
+        for i, key in enumerate(keys):
+            ranks.set(key, float(i % 5))
+    for step in range(5, 60):
+        pairs = [(key, float(rng.choice([0, 2, step, step]))) for key in rng.sample(keys, 12)]
+        pairs.append((_key(99), float(step)))  # unranked: stays so
+        for key, importance in pairs:
+            one.raise_to(key, importance)
+        many.raise_many(pairs)
+    assert {k: one.importance(k) for k in keys} == {k: many.importance(k) for k in keys}
+    assert _key(99) not in many.keys() and many._order == sorted(many._order)
+    for fraction in (0.1, 0.5):
+        assert [one.is_cold(k, fraction) for k in keys] == [many.is_cold(k, fraction) for k in keys]
+    assert one.coldest(set(keys), exclude=None) == many.coldest(set(keys), exclude=None)
+
+
+def test_locate_finds_each_record_in_its_fastest_tier(tmp_path, make_block, blocks_equal):
+    with _store(tmp_path) as store:
+        for i in range(6):  # the host holds four: two spill
+            store.put(_key(i), make_block(_key(i)), importance=float(i))
+        store.device.put(_key(5), make_block(_key(5)))
+        keys = [_key(5), _key(0), _key(3), _key(7), _key(1)]
+        found = store.locate(keys)
+        assert [where for _, where in found] == [store.where(k) for k in keys]
+        assert [where for _, where in found] == ["device", "disk", "host", None, "disk"]
+        assert blocks_equal(found[0][0], store.device.get(_key(5)))
+        assert found[2][0].keys is store.host.get(_key(3)).keys  # the stored tensors, no copy
+        assert found[1][0] is None and found[3][0] is None
+    with pytest.raises(StorageError, match="closed"):
+        store.locate([_key(0)])
 
 
 def test_touch_raises_ranks_never_lowers_them_and_waits_for_a_busy_store(tmp_path, make_block):

@@ -79,23 +79,36 @@ class DeviceCache:
         """The cached block (a hit refreshes its age and what is given of its importance and
         priority) or None."""
         with self._lock:
-            if key not in self._rank:
-                self.misses += 1
-                return None
-            try:
-                block = self.tier.get(key)
-            except (KeyError, StorageError):  # dropped by the store (rewritten, removed)
-                del self._rank[key]
-                self._used.discard(key)
-                self.misses += 1
-                return None
-            self.hits += 1
-            self._used.add(key)
-            old_priority, old_importance, _ = self._rank[key]
-            self._rank[key] = (old_priority if priority is None else priority,
-                               old_importance if importance is None else importance,
-                               next(self._clock))
-            return block
+            return self._get(key, importance, priority)
+
+    def get_many(self, keys, importance=None, priority: int | None = None) -> list[KVBlock | None]:
+        """``get`` of each of ``keys`` (``importance``: one value per key, or None), under one
+        acquisition of the lock: a decode step asks for dozens of records a layer group."""
+        importance = [None] * len(keys) if importance is None else importance
+        with self._lock:
+            if not self._rank:  # nothing admitted (e.g. reuse too low): all misses
+                self.misses += len(keys)
+                return [None] * len(keys)
+            return [self._get(key, value, priority) for key, value in zip(keys, importance)]
+
+    def _get(self, key: RecordKey, importance: float | None, priority: int | None):
+        if key not in self._rank:
+            self.misses += 1
+            return None
+        try:
+            block = self.tier.get(key)
+        except (KeyError, StorageError):  # dropped by the store (rewritten, removed)
+            del self._rank[key]
+            self._used.discard(key)
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._used.add(key)
+        old_priority, old_importance, _ = self._rank[key]
+        self._rank[key] = (old_priority if priority is None else priority,
+                           old_importance if importance is None else importance,
+                           next(self._clock))
+        return block
 
     def admit(self, key: RecordKey, block: KVBlock, importance: float, priority: int = 0) -> bool:
         """Copy ``block`` into the tier if room can be made; return whether it is cached."""

@@ -48,7 +48,7 @@ class GroupFetcher:
             parts, on_disk = self._resident(group)
             if on_disk:
                 self._from_disk(group, on_disk, parts, stopped)
-            _check_alike(group, parts)
+            _check_alike(group, parts, on_disk)
             _raise_if(stopped)
             copy_start = time.perf_counter()
             delivery = self.transfer.assemble(
@@ -62,39 +62,26 @@ class GroupFetcher:
             self.metrics.record_fetch(time.perf_counter() - start)
 
     def _resident(self, group: GroupFetch) -> tuple[list[KVBlock | None], list[int]]:
-        """Blocks found in the device cache, device tier or host tier; indices left on disk."""
-        parts: list[KVBlock | None] = []
-        on_disk: list[int] = []
-        for i, (key, importance) in enumerate(zip(group.keys, group.importance)):
-            block, source = self._lookup(group, key, importance)
-            if block is None:
-                on_disk.append(i)
-            else:
-                self.metrics.record_delivery(source, block.nbytes)
-            parts.append(block)
-        # a read ranks the records it found anew, so the host keeps what decode reads
-        self.store.touch((key, value) for key, value, part in zip(group.keys, group.importance, parts)
-                         if part is not None)
-        return parts, on_disk
+        """Blocks found in the device cache, device tier or host tier; indices left on disk.
 
-    def _lookup(self, fetch: GroupFetch, key: RecordKey, importance: float):
-        block = self.cache.get(key, importance, _priority(fetch))
-        if block is not None:
-            return block, "cache"
-        group = fetch.group
-        for _ in range(2):  # a record may move between where() and get(): look once more
-            where = self.store.where(key)
-            if where is None:
-                raise FetchError(group, key, "not held by any tier (unknown record)")
-            if where == "disk":
-                return None, "disk"
-            if where not in ("device", "host"):
-                raise FetchError(group, key, f"store.where() gave an unknown tier {where!r}")
-            try:
-                return getattr(self.store, where).get(key), where
-            except KeyError:
-                continue
-        raise FetchError(group, key, f"record kept moving between tiers (last seen: {where})")
+        Each lookup takes its lock once for the whole group (dozens of records a step)."""
+        keys = group.keys
+        parts = self.cache.get_many(keys, group.importance, _priority(group))
+        sources = ["cache" if part is not None else "disk" for part in parts]
+        missing = [i for i, part in enumerate(parts) if part is None]
+        if missing:
+            for i, (block, where) in zip(missing, self.store.locate([keys[i] for i in missing])):
+                if where is None:
+                    raise FetchError(group.group, keys[i], "not held by any tier (unknown record)")
+                if where not in ("device", "host", "disk"):
+                    raise FetchError(group.group, keys[i],
+                                     f"store.locate() gave an unknown tier {where!r}")
+                parts[i], sources[i] = block, where
+        held = [i for i, part in enumerate(parts) if part is not None]
+        self.metrics.record_deliveries([sources[i] for i in held], [parts[i].nbytes for i in held])
+        # a read ranks the records it found anew, so the host keeps what decode reads
+        self.store.touch((keys[i], group.importance[i]) for i in held)
+        return parts, [i for i, part in enumerate(parts) if part is None]
 
     def _from_disk(self, group: GroupFetch, on_disk: list[int], parts: list, stopped) -> None:
         keys = [group.keys[i] for i in on_disk]
@@ -172,19 +159,22 @@ def codec_name(codec) -> str:
     return codec if isinstance(codec, str) else codec_name_by_id(codec)
 
 
-def _check_alike(group: GroupFetch, parts: list[KVBlock]) -> None:
-    def layout(t):
-        return t.shape[0], t.shape[1], t.shape[3], t.dtype
-
-    first = parts[0].keys
-    for key, part in zip(group.keys, parts):
+def _check_alike(group: GroupFetch, parts: list[KVBlock], decoded: list[int]) -> None:
+    """FetchError unless the ``decoded`` parts (read from disk) are well-formed blocks spanning
+    their records, and every part has the first one's layers, heads, head_dim and dtype. Parts
+    from the tiers were checked as they were put."""
+    for i in decoded:
         try:
-            part.check(key)
+            parts[i].check(group.keys[i])
         except ValueError as exc:
-            raise FetchError(group.group, key, str(exc)) from None
-        if layout(part.keys) != layout(first):
+            raise FetchError(group.group, group.keys[i], str(exc)) from None
+    first = parts[0].keys
+    layout = first.shape[:2], first.shape[3], first.dtype
+    for key, part in zip(group.keys, parts):
+        k = part.keys
+        if (k.shape[:2], k.shape[3], k.dtype) != layout:
             raise FetchError(group.group, key,
-                             f"shape {tuple(part.keys.shape)} {part.keys.dtype} differs from "
+                             f"shape {tuple(k.shape)} {k.dtype} differs from "
                              f"{group.keys[0]}'s {tuple(first.shape)} {first.dtype}")
 
 

@@ -80,6 +80,19 @@ class Metrics:
             self._current.bytes[source] += nbytes
             self._current.records[source] += 1
 
+    def record_deliveries(self, sources, nbytes) -> None:
+        """``record_delivery`` of many records: ``sources`` and ``nbytes``, one per record."""
+        records, total = Counter(), Counter()
+        for source, size in zip(sources, nbytes):
+            records[source] += 1
+            total[source] += size
+        if not set(records) <= set(SOURCES):
+            bad = next(s for s in records if s not in SOURCES)
+            raise ValueError(f"source={bad!r}: must be one of {', '.join(SOURCES)}")
+        with self._lock:
+            self._current.bytes.update(total)
+            self._current.records.update(records)
+
     def record_disk(self, codec: str, stored_bytes: int) -> None:
         with self._lock:
             self._current.codecs[codec] += 1

@@ -1,6 +1,8 @@
 """Tiers that hold blocks as tensors in memory: the shared part of the device and host tiers."""
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 from ..config import parse_size
@@ -25,6 +27,13 @@ class MemoryTier(Tier):
         out = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device,
                           pin_memory=self.pin)
         return out.copy_(tensor)
+
+    def lookup_many(self, keys: Iterable[RecordKey]) -> list[KVBlock | None]:
+        """The blocks under ``keys``, None for each one absent: ``get`` for many keys under one
+        acquisition of the tier's lock (a decode step's fetch asks for dozens a layer group)."""
+        with self._lock:
+            self._check_open()
+            return [self._load(key) if key in self._sizes else None for key in keys]
 
     def _store(self, key: RecordKey, block: KVBlock) -> int:
         copy = KVBlock(self._copy(block.keys), self._copy(block.values))

@@ -247,8 +247,10 @@ class KVStore:
 
     def _rerank(self) -> None:
         """Apply the touches waiting in ``_late`` (under ``_lock``)."""
-        while self._late:
-            self._ranks.raise_to(*self._late.popleft())
+        pairs = []
+        while self._late:  # popleft, not a copy: the fetch threads may be appending
+            pairs.append(self._late.popleft())
+        self._ranks.raise_many(pairs)
 
     # -- reading ------------------------------------------------------------------------
     def _tiers(self):
@@ -264,6 +266,30 @@ class KVStore:
             if key in tier:
                 return tier.name
         return None
+
+    def locate(self, keys) -> list[tuple[KVBlock | None, str | None]]:
+        """``where`` and ``get`` of many keys, each memory tier's lock taken once: for each key,
+        ``(block, "device" | "host")`` (the stored tensors: read-only), ``(None, "disk")`` when
+        only the disk holds it, ``(None, None)`` when no tier does.
+
+        A record moving meanwhile is found where it went: a spill writes the disk copy before
+        it drops the host one, and a promotion keeps the disk copy."""
+        self._check_open()
+        found: list[tuple[KVBlock | None, str | None]] = [(None, None)] * len(keys)
+        left = range(len(keys))
+        for tier in (self.device, self.host):
+            if tier is None or not left:
+                continue
+            blocks = tier.lookup_many([keys[i] for i in left])
+            for i, block in zip(left, blocks):
+                if block is not None:
+                    found[i] = (block, tier.name)
+            left = [i for i, block in zip(left, blocks) if block is None]
+        if self.disk is not None:
+            for i in left:
+                if keys[i] in self.disk:
+                    found[i] = (None, "disk")
+        return found
 
     def get(self, key: RecordKey) -> KVBlock:
         """The block of ``key`` from the fastest tier holding it (device/host blocks are the
