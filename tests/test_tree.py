@@ -53,6 +53,7 @@ def check(tree, store, keys, every_leaf):
         return
     lo, hi = summarize_segments(keys[:, :tree.n], tree.bounds)
     assert torch.equal(tree.kmin, lo) and torch.equal(tree.kmax, hi)
+    assert tree.record_cuts.tolist() == [r.start for r in tree.records] + [tree.n]  # not stale
     stored = torch.cat([store.records[r.handle] for r in tree.records], dim=1)
     assert torch.equal(stored, keys[:, :tree.n])
     for i in range(tree.num_leaves) if every_leaf else ():
@@ -279,8 +280,10 @@ def test_state_round_trip_and_refusal():
     mass[0] = 1.0
     tree.update(mass, torch.zeros(tree.num_leaves, dtype=torch.bool))
     state = tree.state()
-    again = ChunkTree(tree.config, 2, 4)
+    again = _cold_tree(leaves=3)
+    assert again.record_cuts.tolist() != state["records"].tolist()  # kept, then replaced
     again.load_state(state, lambda a, b: (a, b))
+    assert torch.equal(again.record_cuts, state["records"])
     assert torch.equal(again.bounds, tree.bounds) and torch.equal(again.kmin, tree.kmin)
     assert [(r.start, r.end) for r in again.records] == [(r.start, r.end) for r in tree.records]
     bad = dict(state, records=state["records"] + 1)

@@ -80,6 +80,7 @@ class ChunkTree:
         self.selected_count = torch.empty(0, dtype=torch.long)
         self.cold = torch.empty(0, dtype=torch.long)
         self._records: list[RecordRef] = []
+        self._record_cuts: torch.Tensor | None = None  # record_cuts, until the records change
         self._levels: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     # -- shape ------------------------------------------------------------------------
@@ -154,7 +155,7 @@ class ChunkTree:
             raise ValueError(f"appending up to {int(cuts[1])} after a short tail would make a "
                              f"leaf over max={c.max} tokens")
         self._records.extend(records)
-        self._levels = None
+        self._record_cuts = self._levels = None
         lo, hi = kmin.float(), kmax.float()
         if grow:
             self._grow_tail(int(cuts[1]), lo[:1], hi[:1])
@@ -328,10 +329,19 @@ class ChunkTree:
         return int(torch.searchsorted(self.bounds, token, right=True)) - 1
 
     # -- payloads ---------------------------------------------------------------------
+    @property
+    def record_cuts(self) -> torch.Tensor:
+        """The records' starts, then ``n``: LongTensor (records + 1,), read-only (kept until the
+        records change: decode asks several times a step per group)."""
+        if self._record_cuts is None:
+            self._record_cuts = torch.tensor([r.start for r in self._records] + [self.n],
+                                             dtype=torch.long)
+        return self._record_cuts
+
     def record_spans(self, leaves: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The records holding each of ``leaves`` (LongTensor (k,); all when None): indices
         ``[first, end)`` into ``records``, two LongTensors (k,)."""
-        starts = torch.tensor([r.start for r in self._records] + [self.n])
+        starts = self.record_cuts
         lo, hi = (self.bounds[:-1], self.bounds[1:]) if leaves is None else \
             (self.bounds[leaves], self.bounds[leaves + 1])
         return (torch.searchsorted(starts, lo, right=True) - 1,
@@ -392,6 +402,7 @@ class ChunkTree:
             raise ValueError(f"cuts {cuts} do not span the old records")
         new = [RecordRef(h, a, b) for h, a, b in zip(handles, cuts, cuts[1:])]
         self._records[i: i + len(rewrite.old)] = new
+        self._record_cuts = None
 
     # -- persistence ------------------------------------------------------------------
     def state(self) -> dict[str, torch.Tensor]:
@@ -418,7 +429,7 @@ class ChunkTree:
         self.cold = state["cold"].long().clone()
         cuts = records.tolist()
         self._records = [RecordRef(handle_of(a, b), a, b) for a, b in zip(cuts, cuts[1:])]
-        self._levels = None
+        self._record_cuts = self._levels = None
         self.validate()
 
     # -- hierarchy --------------------------------------------------------------------

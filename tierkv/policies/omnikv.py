@@ -186,8 +186,7 @@ class OmniKV(Policy):
         cuts = tree.bounds
         leaf_units = self.select.fetch_unit == "leaf"
         if not leaf_units:
-            records = torch.tensor([r.start for r in tree.records] + [tree.n])
-            cuts = cuts[torch.isin(cuts, records)]
+            cuts = cuts[torch.isin(cuts, tree.record_cuts)]
         prefix = torch.zeros(tree.n + 1, dtype=torch.float64)
         torch.cumsum(scores[: tree.n].double(), 0, out=prefix[1:])
         mass, sizes = (prefix[cuts[1:]] - prefix[cuts[:-1]]).float(), cuts.diff()
