@@ -354,13 +354,24 @@ class ChunkTree:
         delta.index_add_(0, self.bounds[leaves + 1], -torch.ones_like(leaves))
         return delta[:-1].cumsum(0) > 0
 
-    def records_for(self, leaves: torch.Tensor) -> list[RecordRef]:
-        """The records holding the tokens of ``leaves`` (LongTensor (k,)), once each, by start."""
+    def record_indices(self, leaves: torch.Tensor | None = None) -> torch.Tensor:
+        """Indices into ``records`` of the records holding the tokens of ``leaves`` (LongTensor
+        (k,); all when None), once each, ascending."""
+        if leaves is None:
+            return torch.arange(len(self._records))
         first, end = self.record_spans(leaves)
         covered = torch.zeros(len(self._records) + 1, dtype=torch.long)
         covered.index_add_(0, first, torch.ones_like(first))
         covered.index_add_(0, end, -torch.ones_like(end))
-        return [self._records[i] for i in (covered.cumsum(0) > 0).nonzero().flatten().tolist()]
+        return (covered.cumsum(0) > 0).nonzero().flatten()
+
+    def records_for(self, leaves: torch.Tensor) -> list[RecordRef]:
+        """The records holding the tokens of ``leaves`` (LongTensor (k,)), once each, by start."""
+        return [self._records[i] for i in self.record_indices(leaves).tolist()]
+
+    def handles(self, indices: torch.Tensor) -> tuple[Hashable, ...]:
+        """The handles of the records at ``indices`` (LongTensor, into ``records``)."""
+        return tuple(self._records[i].handle for i in indices.tolist())
 
     def pending_rewrites(self) -> list[Rewrite]:
         """Record rewrites that make the records follow the leaves.

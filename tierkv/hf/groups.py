@@ -77,24 +77,25 @@ class GroupIndex:
         positions of the leaves' tokens in them (``Fetch.keep`` when the records hold more)."""
         if leaves is None:
             if self._all is None:
-                self._all = self._fetch(self.tree.records)
+                self._all = self._fetch(self.tree.record_indices())
             return self._all
-        spec = self._fetch(self.tree.records_for(leaves))
+        spec = self._fetch(self.tree.record_indices(leaves))
         wanted = self.tree.token_mask(leaves, self.sealed)[spec.positions]
         if bool(wanted.all()):
             return spec
         keep = wanted.nonzero().flatten()
         return spec._replace(positions=spec.positions[keep], keep=keep)
 
-    @staticmethod
-    def _fetch(records) -> Fetch:
-        if not records:
+    def _fetch(self, indices: torch.Tensor) -> Fetch:
+        """The Fetch of the records at ``indices`` (ascending, into the tree's records)."""
+        if indices.numel() == 0:
             return Fetch((), torch.zeros(0, dtype=torch.long))
-        starts = torch.tensor([r.start for r in records])
-        lens = torch.tensor([r.end - r.start for r in records])
+        cuts = self.tree.record_cuts
+        starts = cuts[indices]
+        lens = cuts[indices + 1] - starts
         offsets = torch.repeat_interleave(starts - torch.cumsum(lens, 0) + lens, lens)
         tokens = int(lens.sum())
-        return Fetch(tuple(r.handle for r in records), torch.arange(tokens) + offsets, None, tokens)
+        return Fetch(self.tree.handles(indices), torch.arange(tokens) + offsets, None, tokens)
 
     def bound_scores(self, q: torch.Tensor) -> torch.Tensor:
         """Ranking of the leaves by their LKA upper bound of ``q . k``: (m,), higher is better.
