@@ -418,9 +418,9 @@ class ChunkTree:
     # -- persistence ------------------------------------------------------------------
     def state(self) -> dict[str, torch.Tensor]:
         """Leaves, statistics and record ranges as named tensors (handles are not included)."""
-        records = torch.tensor([r.start for r in self._records] + [self.n], dtype=torch.long)
         return {"bounds": self.bounds, "kmin": self.kmin, "kmax": self.kmax, "ema": self.ema,
-                "selected_count": self.selected_count, "cold": self.cold, "records": records}
+                "selected_count": self.selected_count, "cold": self.cold,
+                "records": self.record_cuts.clone()}
 
     def load_state(self, state: dict[str, torch.Tensor], handle_of) -> None:
         """Take back ``state()``; ``handle_of(start, end)`` names each record. Checked."""
