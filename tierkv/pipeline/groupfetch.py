@@ -73,9 +73,6 @@ class GroupFetcher:
             for i, (block, where) in zip(missing, self.store.locate([keys[i] for i in missing])):
                 if where is None:
                     raise FetchError(group.group, keys[i], "not held by any tier (unknown record)")
-                if where not in ("device", "host", "disk"):
-                    raise FetchError(group.group, keys[i],
-                                     f"store.locate() gave an unknown tier {where!r}")
                 parts[i], sources[i] = block, where
         held = [i for i, part in enumerate(parts) if part is not None]
         self.metrics.record_deliveries([sources[i] for i in held], [parts[i].nbytes for i in held])

@@ -74,20 +74,16 @@ class Metrics:
 
     def record_delivery(self, source: str, nbytes: int) -> None:
         """One record of ``nbytes`` raw bytes delivered from ``source`` (see SOURCES)."""
-        if source not in SOURCES:
-            raise ValueError(f"source={source!r}: must be one of {', '.join(SOURCES)}")
-        with self._lock:
-            self._current.bytes[source] += nbytes
-            self._current.records[source] += 1
+        self.record_deliveries((source,), (nbytes,))
 
     def record_deliveries(self, sources, nbytes) -> None:
-        """``record_delivery`` of many records: ``sources`` and ``nbytes``, one per record."""
+        """Records delivered: ``sources`` and ``nbytes``, one per record; all or none counted."""
         records, total = Counter(), Counter()
         for source, size in zip(sources, nbytes):
             records[source] += 1
             total[source] += size
-        if not set(records) <= set(SOURCES):
-            bad = next(s for s in records if s not in SOURCES)
+        bad = next((s for s in records if s not in SOURCES), None)
+        if bad is not None:
             raise ValueError(f"source={bad!r}: must be one of {', '.join(SOURCES)}")
         with self._lock:
             self._current.bytes.update(total)

@@ -198,12 +198,13 @@ class OmniKV(Policy):
         rest = ~take
         if leaf_units:  # and the records they bring within LEAF_MOVE_FACTOR x the budget
             first, end = tree.record_spans()
-            spans = first, end - 1, torch.tensor([r.end - r.start for r in tree.records])
-            moved = _first_needed(spans, order, len(tree.records)).cumsum(0)
+            spans = first, end - 1, tree.record_cuts.diff()
+            records = spans[2].numel()
+            moved = _first_needed(spans, order, records).cumsum(0)
             sinks = int(forced.sum())
             floor = int(moved[sinks - 1]) if sinks else 0
             take &= moved <= max(int(LEAF_MOVE_FACTOR * budget), floor)
-            rest = ~take & _all_brought(spans, order[take], len(tree.records))[order]
+            rest = ~take & _all_brought(spans, order[take], records)[order]
         left = budget - int(cost[take].sum())
         rest &= cost <= left
         take |= rest & ((cost * rest).cumsum(0) <= left)

@@ -26,32 +26,28 @@ class Ranking:
 
     def set(self, key: RecordKey, importance: float) -> None:
         """Rank ``key`` at ``importance``, as the newest record of that importance."""
-        self.discard(key)
-        rank = (importance, next(self._tick))
-        self._rank[key] = rank
-        heapq.heappush(self._heap, (*rank, key))
-        bisect.insort(self._order, rank)
+        self._place(key, importance)
         self._compact()
 
     def raise_to(self, key: RecordKey, importance: float) -> None:
         """Rank ``key`` at ``importance`` if it is ranked lower now; unranked keys stay so."""
-        rank = self._rank.get(key)
-        if rank is not None and importance > rank[0]:
-            self.set(key, importance)
+        self.raise_many(((key, importance),))
 
     def raise_many(self, pairs) -> None:
         """``raise_to`` of each ``(key, importance)`` pair, in order (one call for a step's
         reads: a decode step raises hundreds of records)."""
-        ranks, order, heap, tick = self._rank, self._order, self._heap, self._tick
+        ranks = self._rank
         for key, importance in pairs:
             rank = ranks.get(key)
-            if rank is None or importance <= rank[0]:
-                continue
-            del order[bisect.bisect_left(order, rank)]
-            rank = ranks[key] = (importance, next(tick))
-            heapq.heappush(heap, (*rank, key))
-            bisect.insort(order, rank)
+            if rank is not None and importance > rank[0]:
+                self._place(key, importance)
         self._compact()
+
+    def _place(self, key: RecordKey, importance: float) -> None:
+        self.discard(key)
+        rank = self._rank[key] = (importance, next(self._tick))
+        heapq.heappush(self._heap, (*rank, key))
+        bisect.insort(self._order, rank)
 
     def _compact(self) -> None:
         if len(self._heap) > 2 * len(self._rank) + 1024:  # re-ranked keys left stale entries
