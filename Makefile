@@ -9,7 +9,7 @@ TORCH   := torch==2.13.0
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py $(wildcard native/*.c)
+$(STAMP): pyproject.toml setup.py $(wildcard native/*.c native/*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)

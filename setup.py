@@ -20,7 +20,9 @@ class OptionalBuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension("tierkv._native", ["native/tierkv_native.c"],
+    ext_modules=[Extension("tierkv._native", ["native/tierkv_native.c", "native/attend.c",
+                                             "native/bounds.c"],
+                           depends=["native/kernels.h", "native/simd.h"],
                            extra_compile_args=["-O3"], optional=True)],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -13,7 +13,8 @@ when its records outgrow the machine's available memory, ``disk_reads_direct``).
 A decode step, per group: LKA bound scores of every chunk for the group's query, the top chunks
 within a 2 % token budget, ``KVStore.fetch`` of them (page cache dropped before the step), and
 GQA attention on the CPU for each of the group's layers (``tierkv.attention.DecodeAccumulator``:
-record by record, each converted to fp32 while it is in the cache, merged by log-sum-exp). As in
+record by record, merged by log-sum-exp; its C kernel reads each fp16 record once, where
+``tierkv._native`` is built, else each record is converted to fp32 while it is in the cache). As in
 tierkv's pipeline, selection and fetch run ahead of the attention, which keeps the group order:
 a loader thread selects and submits the step's records, ``BATCH`` at a time, to ``FETCHERS``
 fetch threads, at most ``LOOKAHEAD`` batches ahead of the main thread. Side by side, each just

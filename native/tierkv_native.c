@@ -3,8 +3,11 @@
  * shuffle(src, itemsize, out=None)      byte planes of n items (byte 0 of all, byte 1 of all...)
  * unshuffle(src, itemsize, out=None)    the inverse
  * pread_extents(fd, offsets, lengths, out) -> int   extents of one file, back to back in out
+ * decode_attend(...), decode_attend_path()           decode attention over 16-bit KV (attend.c)
+ * bound_scores(...)                                   LKA chunk bounds from summaries (bounds.c)
  *
- * Pure fallbacks with identical results live in tierkv/storage/native.py.
+ * Pure fallbacks with identical results live in tierkv/storage/native.py; the attention's is
+ * torch's, in tierkv/attention.py.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -13,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
+
+#include "kernels.h"
 
 #define MAX_ITEMSIZE 64
 #define BLOCK_ITEMS 2048 /* items per cache block: source and planes stay in L1/L2 */
@@ -239,6 +244,16 @@ static PyMethodDef methods[] = {
      "pread_extents(fd, offsets, lengths, out) -> int\n\n"
      "Read lengths[i] bytes at offsets[i] of fd into out, back to back; return the total.\n"
      "OSError on a read error or end of file."},
+    {"decode_attend", py_decode_attend, METH_VARARGS,
+     "decode_attend(q, k, v, top, sum, out, B, g, n, d, kind) -> None\n\n"
+     "Merge one part's attention into a running softmax state; addresses, checked by the caller\n"
+     "(tierkv.attention.DecodeAccumulator)."},
+    {"decode_attend_path", py_decode_attend_path, METH_NOARGS,
+     "decode_attend_path() -> 'avx2' | 'scalar': the kernels this CPU runs."},
+    {"bound_scores", py_bound_scores, METH_VARARGS,
+     "bound_scores(q, kmin, kmax, out, m, h, g, d, kind, alpha) -> None\n\n"
+     "LKA chunk bounds per query head into out; addresses, checked by the caller\n"
+     "(tierkv.summary.bound_scores)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -2,7 +2,11 @@
 import pytest
 import torch
 
+import tierkv.attention
 from tierkv.attention import DecodeAccumulator, decode_attention
+
+needs_native = pytest.mark.skipif(tierkv.attention._decode_attend is None,
+                                  reason="tierkv._native is not built")
 
 
 def _parts(n, cuts):
@@ -10,14 +14,15 @@ def _parts(n, cuts):
     return list(zip(edges, edges[1:]))
 
 
+@pytest.mark.parametrize("native", [False, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_parts_merge_to_the_whole(dtype):
+def test_parts_merge_to_the_whole(dtype, native):
     gen = torch.Generator().manual_seed(0)
     layers, q_heads, kv_heads, n, dim, scaling = 3, 8, 2, 300, 16, 0.25
     q = torch.randn(layers, q_heads, dim, generator=gen)
     k = torch.randn(layers, kv_heads, n, dim, generator=gen).to(dtype)
     v = torch.randn(layers, kv_heads, n, dim, generator=gen).to(dtype)
-    acc = DecodeAccumulator(q, scaling)
+    acc = DecodeAccumulator(q, scaling, native=native)
     for a, b in _parts(n, [1, 64, 65, 200]):
         acc.add(k[..., a:b, :], v[..., a:b, :])
     out = acc.result()
@@ -27,16 +32,18 @@ def test_parts_merge_to_the_whole(dtype):
         assert torch.allclose(out[layer], whole, rtol=1e-5, atol=1e-6)
 
 
-def test_large_scores_do_not_overflow():
+@pytest.mark.parametrize("native", [False, None])
+@pytest.mark.parametrize("dim", [8, 6])  # the vector and scalar paths of the C kernel
+def test_large_scores_do_not_overflow(native, dim):
     gen = torch.Generator().manual_seed(1)
-    q = torch.randn(4, 8, generator=gen) * 100
-    k = torch.randn(2, 50, 8, generator=gen) * 100
-    v = torch.randn(2, 50, 8, generator=gen)
-    acc = DecodeAccumulator(q, 1.0)
+    q = torch.randn(4, dim, generator=gen) * 100
+    k = torch.randn(2, 50, dim, generator=gen) * 100
+    v = torch.randn(2, 50, dim, generator=gen)
+    acc = DecodeAccumulator(q, 1.0, native=native)
     for a, b in _parts(50, [10, 11, 30]):
         acc.add(k[:, a:b], v[:, a:b])
-    scores = q.double().view(2, 2, 8) @ k.double().transpose(1, 2)
-    expected = (torch.softmax(scores, -1) @ v.double()).reshape(4, 1, 8)
+    scores = q.double().view(2, 2, dim) @ k.double().transpose(1, 2)
+    expected = (torch.softmax(scores, -1) @ v.double()).reshape(4, 1, dim)
     out = acc.result()
     assert torch.isfinite(out).all() and torch.allclose(out.double(), expected, atol=1e-5)
 
@@ -44,3 +51,94 @@ def test_large_scores_do_not_overflow():
 def test_result_needs_a_part():
     with pytest.raises(ValueError, match="no part"):
         DecodeAccumulator(torch.randn(4, 8), 1.0).result()
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group, dim", [(1, 64), (3, 64), (4, 128), (8, 24), (9, 64), (3, 12)])
+def test_native_kernel_equals_torchs_path(dtype, group, dim):
+    """The C kernel's vector path (head_dim a multiple of 8, up to 8 query heads a group) and
+    scalar path (the others), like torch's, against fp64 attention over parts of odd sizes,
+    some of them views."""
+    gen = torch.Generator().manual_seed(group * 1000 + dim)
+    layers, kv_heads, n = 2, 2, 157
+    q = torch.randn(layers, kv_heads * group, dim, generator=gen)
+    k = (torch.randn(layers, kv_heads, n, dim, generator=gen) * 2).to(dtype)
+    v = torch.randn(layers, kv_heads, n, dim, generator=gen).to(dtype)
+    scores = q.double().view(layers, kv_heads, group, dim) @ k.double().transpose(-1, -2)
+    exact = (torch.softmax(scores * dim ** -0.5, -1) @ v.double()).view(layers, -1, 1, dim)
+    for native in (False, True):
+        acc = DecodeAccumulator(q, dim ** -0.5, native=native)
+        for a, b in _parts(n, [1, 2, 5, 70, 71]):
+            acc.add(k[..., a:b, :], v[..., a:b, :])
+        assert torch.allclose(acc.result().double(), exact, rtol=1e-4, atol=1e-5)
+
+
+@needs_native
+def test_native_and_torch_parts_share_one_state():
+    """Parts the kernel cannot take (here: values of another dtype than the keys) go through
+    torch's path into the same running state."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(6, 32, generator=gen)
+    k = torch.randn(2, 90, 32, generator=gen).half()
+    v = torch.randn(2, 90, 32, generator=gen).half()
+    acc = DecodeAccumulator(q, 0.2)
+    acc.add(k[:, :30], v[:, :30])  # kernel
+    acc.add(k[:, 30:60], v[:, 30:60].float())  # torch: fp32 values
+    acc.add(k[:, 60:].transpose(1, 2).contiguous().transpose(1, 2), v[:, 60:])  # kernel, a view
+    whole = decode_attention(q.unsqueeze(1), k.float(), v.float(), 0.2)
+    assert torch.allclose(acc.result(), whole, rtol=1e-4, atol=1e-5)
+
+
+@needs_native
+def test_native_kernel_reads_fp16_subnormals_infinities_and_nan_as_torch_does():
+    """The scalar path converts fp16 itself (head_dim 6): subnormal keys and values convert
+    exactly, an infinite key takes all the attention of the heads it meets, a NaN spreads."""
+    q = torch.tensor([[1.0, -1.0, 0.5, 0.0, 2.0, 1.0]] * 2)
+    k = torch.tensor([[[6e-8, -3e-5, 1e-7, 0.0, 5e-6, -6e-8],
+                       [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]]]).half()
+    v = torch.tensor([[[6e-8, 1e-6, -2e-5, 3.0, 0.0, 1.0],
+                       [-1.0, 2e-7, 0.5, 4e-6, 1.0, 0.0]]]).half()
+    outs = []
+    for native in (False, True):
+        acc = DecodeAccumulator(q, 1.0, native=native)
+        acc.add(k, v)
+        outs.append(acc.result())
+    assert torch.allclose(outs[1], outs[0], rtol=1e-6, atol=0)
+    k[0, 1, 0], v[0, 0, 1] = float("inf"), float("nan")
+    for native in (False, True):
+        acc = DecodeAccumulator(q, 1.0, native=native)
+        acc.add(k, v)
+        assert torch.isnan(acc.result()).all()
+
+
+def test_bad_parts_are_named_before_any_kernel_runs():
+    q = torch.randn(2, 8, 16)  # (layers, q_heads, head_dim)
+    for native in (False, None):
+        acc = DecodeAccumulator(q, 1.0, native=native)
+        with pytest.raises(ValueError, match="keys"):
+            acc.add(torch.randn(3, 4, 5, 16), torch.randn(3, 4, 5, 16))  # 3 layers, not 2
+        with pytest.raises(ValueError, match="keys"):
+            acc.add(torch.randn(2, 3, 5, 16), torch.randn(2, 3, 5, 16))  # 3 kv heads into 8
+        with pytest.raises(ValueError, match="keys"):
+            acc.add(torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8))  # head_dim 8
+        with pytest.raises(ValueError, match="n >= 1"):
+            acc.add(torch.randn(2, 4, 0, 16), torch.randn(2, 4, 0, 16))
+        with pytest.raises(ValueError, match="values"):
+            acc.add(torch.randn(2, 4, 5, 16), torch.randn(2, 4, 6, 16))
+        acc.add(torch.randn(2, 4, 5, 16).half(), torch.randn(2, 4, 5, 16).half())
+        with pytest.raises(ValueError, match="parts before had 4"):
+            acc.add(torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16))  # same numel, 2 kv heads
+    with pytest.raises(ValueError, match="native"):
+        DecodeAccumulator(q, 1.0, native="yes")
+    with pytest.raises(ValueError, match="q_heads, head_dim"):
+        DecodeAccumulator(torch.randn(16), 1.0)
+
+
+def test_native_true_needs_the_kernel(monkeypatch):
+    monkeypatch.setattr(tierkv.attention, "_decode_attend", None)
+    with pytest.raises(ValueError, match="not built"):
+        DecodeAccumulator(torch.randn(4, 8), 1.0, native=True)
+    acc = DecodeAccumulator(torch.randn(4, 8), 1.0)  # falls back to torch's path
+    acc.add(torch.randn(2, 3, 8).half(), torch.randn(2, 3, 8).half())
+    assert acc.result().shape == (4, 1, 8)

@@ -2,11 +2,24 @@
 import pytest
 import torch
 
+import tierkv.summary
 from tierkv.summary import (attention_shares, bound_scores, chunk_scores, criticality,
                             merge_summaries, rounding_margin, segment_minmax, summarize,
                             summarize_segments)
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+NATIVE = tierkv.summary._native_bounds
+needs_native = pytest.mark.skipif(NATIVE is None, reason="tierkv._native is not built")
+
+
+@pytest.fixture(params=["native", "torch"])
+def path(request, monkeypatch):
+    """Each bound test on both paths: the C kernel (where built) and torch's."""
+    if request.param == "native" and NATIVE is None:
+        pytest.skip("tierkv._native is not built")
+    if request.param == "torch":
+        monkeypatch.setattr(tierkv.summary, "_native_bounds", None)
+    return request.param
 
 
 def random_bounds(gen, n, max_len):
@@ -25,7 +38,7 @@ def random_keys(gen, kv_heads, n, dim, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 3, 4])
-def test_bound_never_below_true_max(dtype, group):
+def test_bound_never_below_true_max(dtype, group, path):
     gen = torch.Generator().manual_seed(10 * DTYPES.index(dtype) + group)
     kv_heads, dim, n = 3, 64, 6000
     keys = random_keys(gen, kv_heads, n, dim, dtype)
@@ -57,6 +70,25 @@ def test_summaries_kept_in_the_keys_dtype_score_as_fp32(dtype):
     assert torch.equal(narrow, bound_scores(q, kmin, kmax))
     assert torch.equal(chunk_scores(q, kmin.to(dtype), kmax.to(dtype))[1],
                        chunk_scores(q, kmin, kmax)[1])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group, dim", [(1, 64), (3, 64), (4, 128), (8, 16), (9, 64), (3, 12)])
+def test_native_bounds_equal_torchs_up_to_rounding(dtype, group, dim, monkeypatch):
+    """The C kernel (vector path; scalar path for head_dim 12 or 9 query heads a group) against
+    torch's: the same bounds within the fp32 rounding of d-term sums in another order."""
+    gen = torch.Generator().manual_seed(group * 100 + dim)
+    keys = random_keys(gen, 2, 700, dim, dtype)
+    kmin, kmax = summarize_segments(keys, random_bounds(gen, 700, 5))
+    q = torch.randn(2 * group, dim, generator=gen) * 3
+    native = bound_scores(q, kmin.to(dtype), kmax.to(dtype))
+    scale = torch.einsum("hgd,mhd->mhg", q.abs().view(2, group, dim),
+                         torch.maximum(kmin.abs(), kmax.abs()).float())
+    monkeypatch.setattr(tierkv.summary, "_native_bounds", None)
+    reference = bound_scores(q, kmin.to(dtype), kmax.to(dtype))
+    assert native.shape == reference.shape and native.dtype == torch.float32
+    assert bool(((native - reference).abs() <= 8 * dim * 2.0 ** -24 * scale).all())
 
 
 def test_single_key_bound_is_tight():

@@ -25,6 +25,12 @@ import torch
 _KEY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _UNIT_ROUNDOFF = 2.0 ** -24
 _SCORE_BLOCK = 512  # chunks scored at once by ``bound_scores``
+_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the C kernel's ``kind``
+
+try:
+    from ._native import bound_scores as _native_bounds
+except ImportError:  # not built (no compiler), or built from an older source
+    _native_bounds = None
 
 
 def _check_keys(keys: torch.Tensor) -> None:
@@ -161,9 +167,15 @@ def bound_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) ->
     ``4 gamma * |q| . max(|kmin|, |kmax|)`` (module docstring).
     """
     q = _grouped_query(query, kmin)
-    pos, neg, mag = q.clamp(min=0), q.clamp(max=0), q.abs()
     alpha = 4 * _gamma(q.shape[-1])
     m = kmin.shape[0]
+    if _native_bounds is not None and _native_fits(q, kmin, kmax):
+        out = torch.empty(m, q.shape[0], q.shape[1])
+        q, kmin, kmax = q.contiguous(), kmin.contiguous(), kmax.contiguous()
+        _native_bounds(q.data_ptr(), kmin.data_ptr(), kmax.data_ptr(), out.data_ptr(), m,
+                       q.shape[0], q.shape[1], q.shape[2], _KINDS[kmin.dtype], alpha)
+        return out
+    pos, neg, mag = q.clamp(min=0), q.clamp(max=0), q.abs()
     out = torch.empty(m, q.shape[0], q.shape[1], device=q.device)
     # A block of chunks at a time: its fp32 copies of the summaries stay in the cache, and fp16
     # summaries (half the memory, exact for fp16 keys) cost no more to score than fp32 ones.
@@ -173,6 +185,13 @@ def bound_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) ->
         bound = _group_product(pos, hi).add_(_group_product(neg, lo))
         out[b0:b1] = bound.add_(_group_product(mag, _magnitude(lo, hi)), alpha=alpha)
     return out
+
+
+def _native_fits(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> bool:
+    """The C kernel takes CPU summaries of one dtype and shape, (m, kv_heads, head_dim)."""
+    return (q.device.type == kmin.device.type == kmax.device.type == "cpu"
+            and kmin.dtype == kmax.dtype and kmin.dtype in _KINDS and kmin.shape == kmax.shape
+            and kmin.dim() == 3 and kmin.shape[1:] == (q.shape[0], q.shape[2]))
 
 
 def _magnitude(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:

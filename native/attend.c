@@ -1,0 +1,268 @@
+/* decode_attend: one query token's attention over a part of the keys, merged into a running
+ * softmax state, reading 16-bit keys and values once (no fp32 copies of them).
+ *
+ * decode_attend(q, k, v, top, sum, out, B, g, n, d, kind)   all but the last five are addresses
+ *
+ *   q    fp32 (B, g, d), already scaled        k, v  (B, n, d) of `kind` (0 fp32, 1 fp16, 2 bf16)
+ *   top  fp32 (B, g): the running max logit    sum   fp32 (B, g): the running sum of exp(s - top)
+ *   out  fp32 (B, g, d): the running sum of exp(s - top) * v
+ *
+ * B is every (leading dim, kv head) pair, g the query heads of a GQA group. A fresh state is
+ * top = -inf, sum = 0, out = 0. The caller (tierkv/attention.py) checks shapes, dtypes and
+ * contiguity: the addresses are trusted here.
+ *
+ * An x86-64 CPU with AVX2, FMA and F16C (Haswell and later) takes the vector path, chosen at run
+ * time; any other, or a head_dim that is not a multiple of 8, the scalar path. Both compute the
+ * same sums in a different order (fp32 rounding differs, not the result's meaning).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdlib.h>
+
+#include "kernels.h"
+#include "simd.h"
+
+/* The softmax merge shared by both paths: scores (g, n) become probabilities relative to the
+ * new max, the old state is rescaled to it. */
+static void merge_scalar(float *scores, float *top, float *sum, float *out, Py_ssize_t g,
+                         Py_ssize_t n, Py_ssize_t d)
+{
+    for (Py_ssize_t j = 0; j < g; j++) {
+        float *s = scores + j * n, mx = top[j];
+        for (Py_ssize_t t = 0; t < n; t++)
+            mx = s[t] > mx ? s[t] : mx;
+        float c = top[j] == -INFINITY ? 0.0f : expf(top[j] - mx), total = sum[j] * c;
+        for (Py_ssize_t i = 0; i < d; i++)
+            out[j * d + i] *= c;
+        for (Py_ssize_t t = 0; t < n; t++) {
+            s[t] = expf(s[t] - mx);
+            total += s[t];
+        }
+        top[j] = mx;
+        sum[j] = total;
+    }
+}
+
+static void attend_scalar(const float *q, const char *k, const char *v, float *top, float *sum,
+                          float *out, Py_ssize_t B, Py_ssize_t g, Py_ssize_t n, Py_ssize_t d,
+                          int kind, float *scores, float *row)
+{
+    size_t rb = (size_t)d * (kind == KIND_F32 ? 4 : 2); /* bytes per key row */
+    for (Py_ssize_t b = 0; b < B; b++) {
+        const float *qb = q + b * g * d;
+        float *ob = out + b * g * d;
+        const char *kb = k + (size_t)b * n * rb, *vb = v + (size_t)b * n * rb;
+        for (Py_ssize_t t = 0; t < n; t++) {
+            row_scalar(kb + t * rb, kind, d, row);
+            for (Py_ssize_t j = 0; j < g; j++) {
+                float s = 0.0f;
+                for (Py_ssize_t i = 0; i < d; i++)
+                    s += qb[j * d + i] * row[i];
+                scores[j * n + t] = s;
+            }
+        }
+        merge_scalar(scores, top + b * g, sum + b * g, ob, g, n, d);
+        for (Py_ssize_t t = 0; t < n; t++) {
+            row_scalar(vb + t * rb, kind, d, row);
+            for (Py_ssize_t j = 0; j < g; j++) {
+                float p = scores[j * n + t];
+                for (Py_ssize_t i = 0; i < d; i++)
+                    ob[j * d + i] += p * row[i];
+            }
+        }
+    }
+}
+
+#ifdef HAVE_AVX2_PATH
+/* exp for x <= 0 (Cephes' expf: range reduction by ln 2, a degree-5 polynomial; ~1 ulp);
+ * below -87.3 it returns ~1e-38 rather than less, nothing next to the max's 1. */
+AVX2 static inline __m256 exp_avx2(__m256 x)
+{
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                                 _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+AVX2 static void merge_avx2(float *scores, float *top, float *sum, float *out, Py_ssize_t g,
+                            Py_ssize_t n, Py_ssize_t d)
+{
+    for (Py_ssize_t j = 0; j < g; j++) {
+        float *s = scores + j * n, mx = top[j];
+        for (Py_ssize_t t = 0; t < n; t++)
+            mx = s[t] > mx ? s[t] : mx;
+        float c = top[j] == -INFINITY ? 0.0f : expf(top[j] - mx);
+        __m256 vc = _mm256_set1_ps(c), vm = _mm256_set1_ps(mx), acc = _mm256_setzero_ps();
+        for (Py_ssize_t i = 0; i < d; i += 8)
+            _mm256_storeu_ps(out + j * d + i, _mm256_mul_ps(_mm256_loadu_ps(out + j * d + i), vc));
+        Py_ssize_t t = 0;
+        for (; t + 8 <= n; t += 8) {
+            __m256 p = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+            _mm256_storeu_ps(s + t, p);
+            acc = _mm256_add_ps(acc, p);
+        }
+        float total = sum[j] * c + hsum(acc);
+        for (; t < n; t++) {
+            s[t] = expf(s[t] - mx);
+            total += s[t];
+        }
+        top[j] = mx;
+        sum[j] = total;
+    }
+}
+
+/* Scores of G query heads (G and kind constants where inlined) against n key rows, two rows
+ * at a time: each 8 values of a row are converted once and meet every query head in registers. */
+AVX2 static inline __attribute__((always_inline)) void
+scores_avx2(const float *q, const char *k, const char *v, size_t rb, Py_ssize_t n, Py_ssize_t d,
+            float *scores, const int G, const int kind)
+{
+    for (Py_ssize_t t = 0; t < n; t += 2) {
+        const int two = t + 1 < n;
+        const char *r0 = k + t * rb, *r1 = two ? r0 + rb : r0;
+        /* the value rows these keys weigh: the weighing reads them a column block at a time,
+         * an access the hardware prefetcher follows poorly */
+        for (size_t at = 0; at < (two ? 2 : 1) * rb; at += 64)
+            _mm_prefetch(v + t * rb + at, _MM_HINT_T0);
+        __m256 a0[G], a1[G];
+        for (int j = 0; j < G; j++)
+            a0[j] = a1[j] = _mm256_setzero_ps();
+        for (Py_ssize_t i = 0; i < d; i += 8) {
+            __m256 x0 = load8(r0, kind, i), x1 = load8(r1, kind, i);
+            for (int j = 0; j < G; j++) {
+                __m256 qj = _mm256_loadu_ps(q + j * d + i);
+                a0[j] = _mm256_fmadd_ps(qj, x0, a0[j]);
+                a1[j] = _mm256_fmadd_ps(qj, x1, a1[j]);
+            }
+        }
+        for (int j = 0; j < G; j++) {
+            scores[j * n + t] = hsum(a0[j]);
+            if (two)
+                scores[j * n + t + 1] = hsum(a1[j]);
+        }
+    }
+}
+
+/* out (G, d) += p (G, n) @ v (n, d), 16 columns at a time: the accumulators of every query head
+ * stay in registers over all n rows (a record's rows stay in L1 across the column passes). */
+AVX2 static inline __attribute__((always_inline)) void
+weigh_avx2(const float *p, const char *v, size_t rb, Py_ssize_t n, Py_ssize_t d, float *out,
+           const int G, const int kind)
+{
+    for (Py_ssize_t i = 0; i < d; i += 16) {
+        const int two = i + 8 < d;
+        __m256 a0[G], a1[G];
+        for (int j = 0; j < G; j++)
+            a0[j] = a1[j] = _mm256_setzero_ps();
+        for (Py_ssize_t t = 0; t < n; t++) {
+            const char *row = v + t * rb;
+            __m256 x0 = load8(row, kind, i), x1 = two ? load8(row, kind, i + 8) : x0;
+            for (int j = 0; j < G; j++) {
+                __m256 pj = _mm256_broadcast_ss(p + j * n + t);
+                a0[j] = _mm256_fmadd_ps(pj, x0, a0[j]);
+                a1[j] = _mm256_fmadd_ps(pj, x1, a1[j]);
+            }
+        }
+        for (int j = 0; j < G; j++) {
+            float *o = out + j * d + i;
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), a0[j]));
+            if (two)
+                _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_loadu_ps(o + 8), a1[j]));
+        }
+    }
+}
+
+AVX2 static inline __attribute__((always_inline)) void
+attend_avx2_g(const float *q, const char *k, const char *v, float *top, float *sum, float *out,
+              Py_ssize_t B, Py_ssize_t n, Py_ssize_t d, float *scores, const int G, const int kind)
+{
+    size_t rb = (size_t)d * (kind == KIND_F32 ? 4 : 2);
+    for (Py_ssize_t b = 0; b < B; b++) {
+        const char *kb = k + (size_t)b * n * rb, *vb = v + (size_t)b * n * rb;
+        scores_avx2(q + b * G * d, kb, vb, rb, n, d, scores, G, kind);
+        merge_avx2(scores, top + b * G, sum + b * G, out + b * G * d, G, n, d);
+        weigh_avx2(scores, vb, rb, n, d, out + b * G * d, G, kind);
+    }
+}
+
+#define ATTEND_KIND(G)                                                                          \
+    AVX2 static void attend_avx2_##G(const float *q, const char *k, const char *v, float *top,  \
+                                     float *sum, float *out, Py_ssize_t B, Py_ssize_t n,         \
+                                     Py_ssize_t d, int kind, float *scores)                     \
+    {                                                                                           \
+        if (kind == KIND_F16)                                                                   \
+            attend_avx2_g(q, k, v, top, sum, out, B, n, d, scores, G, KIND_F16);                \
+        else if (kind == KIND_BF16)                                                             \
+            attend_avx2_g(q, k, v, top, sum, out, B, n, d, scores, G, KIND_BF16);               \
+        else                                                                                    \
+            attend_avx2_g(q, k, v, top, sum, out, B, n, d, scores, G, KIND_F32);                \
+    }
+ATTEND_KIND(1)
+ATTEND_KIND(2)
+ATTEND_KIND(3)
+ATTEND_KIND(4)
+ATTEND_KIND(5)
+ATTEND_KIND(6)
+ATTEND_KIND(7)
+ATTEND_KIND(8)
+
+typedef void (*attend_fn)(const float *, const char *, const char *, float *, float *, float *,
+                          Py_ssize_t, Py_ssize_t, Py_ssize_t, int, float *);
+static const attend_fn ATTEND_AVX2[] = {NULL, attend_avx2_1, attend_avx2_2, attend_avx2_3,
+                                        attend_avx2_4, attend_avx2_5, attend_avx2_6,
+                                        attend_avx2_7, attend_avx2_8};
+#define MAX_AVX2_GROUP 8
+
+#endif
+
+PyObject *py_decode_attend(PyObject *self, PyObject *args)
+{
+    Py_ssize_t q, k, v, top, sum, out, B, g, n, d;
+    int kind;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnni", &q, &k, &v, &top, &sum, &out, &B, &g, &n, &d, &kind))
+        return NULL;
+    if (B < 1 || g < 1 || n < 1 || d < 1 || kind < KIND_F32 || kind > KIND_BF16) {
+        PyErr_Format(PyExc_ValueError, "decode_attend: B=%zd g=%zd n=%zd d=%zd kind=%d", B, g, n, d,
+                     kind);
+        return NULL;
+    }
+    float *scores = malloc((size_t)(g * n + d) * sizeof(float));
+    if (scores == NULL)
+        return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+#ifdef HAVE_AVX2_PATH
+    if (d % 8 == 0 && g <= MAX_AVX2_GROUP && have_avx2())
+        ATTEND_AVX2[g]((const float *)q, (const char *)k, (const char *)v, (float *)top,
+                       (float *)sum, (float *)out, B, n, d, kind, scores);
+    else
+#endif
+        attend_scalar((const float *)q, (const char *)k, (const char *)v, (float *)top, (float *)sum,
+                      (float *)out, B, g, n, d, kind, scores, scores + g * n);
+    Py_END_ALLOW_THREADS
+    free(scores);
+    Py_RETURN_NONE;
+}
+
+PyObject *py_decode_attend_path(PyObject *self, PyObject *args)
+{
+    (void)self;
+    (void)args;
+#ifdef HAVE_AVX2_PATH
+    if (have_avx2())
+        return PyUnicode_FromString("avx2");
+#endif
+    return PyUnicode_FromString("scalar");
+}

@@ -1,0 +1,12 @@
+/* tierkv._native's kernels over tensors: decode attention (attend.c), chunk bounds (bounds.c).
+ * Their arguments are addresses, checked by their Python callers. */
+#ifndef TIERKV_KERNELS_H
+#define TIERKV_KERNELS_H
+
+#include <Python.h>
+
+PyObject *py_decode_attend(PyObject *self, PyObject *args);
+PyObject *py_decode_attend_path(PyObject *self, PyObject *args);
+PyObject *py_bound_scores(PyObject *self, PyObject *args);
+
+#endif
