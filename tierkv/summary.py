@@ -6,7 +6,10 @@ stored). For a query ``q`` and every key ``k`` of the chunk,
 
 The bound is computed as ``q+ . kmax + q- . kmin`` (``q+``, ``q-``: the positive and negative
 parts of ``q``), two matrix products straight from the summaries, with no elementwise pass over
-them but the one that gives ``max(|kmin|, |kmax|)`` for the slack below.
+them but the one that gives ``max(|kmin|, |kmax|)`` for the slack below. On a CPU the C kernel
+``tierkv._native.bound_scores`` computes the same sums in one pass over the summaries, each
+fp16 / bf16 row converted in registers (4,096 chunks x 8 KV heads x 128 dims of fp16: 3.2 ms
+against 7.6 with torch, one thread); it sums in another order, which the slack covers as well.
 
 Everything is computed in fp32: fp16 and bf16 keys convert to fp32 exactly, so ``kmin``/``kmax``
 are exact. The bound's two d-term sums (each ``d`` contributes to one of them) and anyone's fp32
