@@ -11,9 +11,9 @@
  * top = -inf, sum = 0, out = 0. The caller (tierkv/attention.py) checks shapes, dtypes and
  * contiguity: the addresses are trusted here.
  *
- * An x86-64 CPU with AVX2, FMA and F16C (Haswell and later) takes the vector path, chosen at run
- * time; any other, or a head_dim that is not a multiple of 8, the scalar path. Both compute the
- * same sums in a different order (fp32 rounding differs, not the result's meaning).
+ * It runs on x86-64 CPUs with AVX2, FMA and F16C (kernels_ready()), for head_dim a multiple of 8
+ * and up to MAX_GROUP query heads a group; other calls raise ValueError, and the caller takes
+ * torch's path for them (a scalar C loop was 4x slower than torch's vectorised path).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -23,57 +23,6 @@
 
 #include "kernels.h"
 #include "simd.h"
-
-/* The softmax merge shared by both paths: scores (g, n) become probabilities relative to the
- * new max, the old state is rescaled to it. */
-static void merge_scalar(float *scores, float *top, float *sum, float *out, Py_ssize_t g,
-                         Py_ssize_t n, Py_ssize_t d)
-{
-    for (Py_ssize_t j = 0; j < g; j++) {
-        float *s = scores + j * n, mx = top[j];
-        for (Py_ssize_t t = 0; t < n; t++)
-            mx = s[t] > mx ? s[t] : mx;
-        float c = top[j] == -INFINITY ? 0.0f : expf(top[j] - mx), total = sum[j] * c;
-        for (Py_ssize_t i = 0; i < d; i++)
-            out[j * d + i] *= c;
-        for (Py_ssize_t t = 0; t < n; t++) {
-            s[t] = expf(s[t] - mx);
-            total += s[t];
-        }
-        top[j] = mx;
-        sum[j] = total;
-    }
-}
-
-static void attend_scalar(const float *q, const char *k, const char *v, float *top, float *sum,
-                          float *out, Py_ssize_t B, Py_ssize_t g, Py_ssize_t n, Py_ssize_t d,
-                          int kind, float *scores, float *row)
-{
-    size_t rb = (size_t)d * (kind == KIND_F32 ? 4 : 2); /* bytes per key row */
-    for (Py_ssize_t b = 0; b < B; b++) {
-        const float *qb = q + b * g * d;
-        float *ob = out + b * g * d;
-        const char *kb = k + (size_t)b * n * rb, *vb = v + (size_t)b * n * rb;
-        for (Py_ssize_t t = 0; t < n; t++) {
-            row_scalar(kb + t * rb, kind, d, row);
-            for (Py_ssize_t j = 0; j < g; j++) {
-                float s = 0.0f;
-                for (Py_ssize_t i = 0; i < d; i++)
-                    s += qb[j * d + i] * row[i];
-                scores[j * n + t] = s;
-            }
-        }
-        merge_scalar(scores, top + b * g, sum + b * g, ob, g, n, d);
-        for (Py_ssize_t t = 0; t < n; t++) {
-            row_scalar(vb + t * rb, kind, d, row);
-            for (Py_ssize_t j = 0; j < g; j++) {
-                float p = scores[j * n + t];
-                for (Py_ssize_t i = 0; i < d; i++)
-                    ob[j * d + i] += p * row[i];
-            }
-        }
-    }
-}
 
 #ifdef HAVE_AVX2_PATH
 /* exp for x <= 0 (Cephes' expf: range reduction by ln 2, a degree-5 polynomial; ~1 ulp);
@@ -223,7 +172,6 @@ typedef void (*attend_fn)(const float *, const char *, const char *, float *, fl
 static const attend_fn ATTEND_AVX2[] = {NULL, attend_avx2_1, attend_avx2_2, attend_avx2_3,
                                         attend_avx2_4, attend_avx2_5, attend_avx2_6,
                                         attend_avx2_7, attend_avx2_8};
-#define MAX_AVX2_GROUP 8
 
 #endif
 
@@ -234,35 +182,27 @@ PyObject *py_decode_attend(PyObject *self, PyObject *args)
     (void)self;
     if (!PyArg_ParseTuple(args, "nnnnnnnnnni", &q, &k, &v, &top, &sum, &out, &B, &g, &n, &d, &kind))
         return NULL;
-    if (B < 1 || g < 1 || n < 1 || d < 1 || kind < KIND_F32 || kind > KIND_BF16) {
-        PyErr_Format(PyExc_ValueError, "decode_attend: B=%zd g=%zd n=%zd d=%zd kind=%d", B, g, n, d,
-                     kind);
+    if (!kernel_fits(B, g, d, kind) || n < 1) {
+        PyErr_Format(PyExc_ValueError, "decode_attend: no kernel for B=%zd g=%zd n=%zd d=%zd "
+                     "kind=%d on this CPU", B, g, n, d, kind);
         return NULL;
     }
-    float *scores = malloc((size_t)(g * n + d) * sizeof(float));
+#ifdef HAVE_AVX2_PATH
+    float *scores = malloc((size_t)(g * n) * sizeof(float));
     if (scores == NULL)
         return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS
-#ifdef HAVE_AVX2_PATH
-    if (d % 8 == 0 && g <= MAX_AVX2_GROUP && have_avx2())
-        ATTEND_AVX2[g]((const float *)q, (const char *)k, (const char *)v, (float *)top,
-                       (float *)sum, (float *)out, B, n, d, kind, scores);
-    else
-#endif
-        attend_scalar((const float *)q, (const char *)k, (const char *)v, (float *)top, (float *)sum,
-                      (float *)out, B, g, n, d, kind, scores, scores + g * n);
+    ATTEND_AVX2[g]((const float *)q, (const char *)k, (const char *)v, (float *)top, (float *)sum,
+                   (float *)out, B, n, d, kind, scores);
     Py_END_ALLOW_THREADS
     free(scores);
+#endif
     Py_RETURN_NONE;
 }
 
-PyObject *py_decode_attend_path(PyObject *self, PyObject *args)
+PyObject *py_kernels_ready(PyObject *self, PyObject *args)
 {
     (void)self;
     (void)args;
-#ifdef HAVE_AVX2_PATH
-    if (have_avx2())
-        return PyUnicode_FromString("avx2");
-#endif
-    return PyUnicode_FromString("scalar");
+    return PyBool_FromLong(kernels_ready());
 }

@@ -10,7 +10,8 @@
  * Each summary row is read once and converted in registers; every query head of its GQA group
  * meets it there. The two d-term sums are accumulated together (for each d one of q+_d, q-_d is
  * zero, so it is one d-term sum in another order: the slack's bound holds for any order), the
- * slack's sum apart and added last, as torch's path does. The caller checks shapes and dtypes.
+ * slack's sum apart and added last, as torch's path does. The caller checks shapes and dtypes;
+ * the CPUs and shapes it runs on are those of decode_attend (attend.c).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -18,6 +19,7 @@
 #include "kernels.h"
 #include "simd.h"
 
+#ifdef HAVE_AVX2_PATH
 /* q+, q- and alpha |q|, each (h, g, d), from q. */
 static void query_parts(const float *q, Py_ssize_t n, float alpha, float *pos, float *neg,
                         float *mag)
@@ -29,28 +31,6 @@ static void query_parts(const float *q, Py_ssize_t n, float alpha, float *pos, f
     }
 }
 
-static void bounds_scalar(const float *pos, const float *neg, const float *mag, const char *kmin,
-                          const char *kmax, float *out, Py_ssize_t m, Py_ssize_t h, Py_ssize_t g,
-                          Py_ssize_t d, int kind, float *lo, float *hi)
-{
-    size_t rb = (size_t)d * (kind == KIND_F32 ? 4 : 2);
-    for (Py_ssize_t r = 0; r < m * h; r++) { /* r: (chunk, kv head) */
-        Py_ssize_t head = r % h;
-        row_scalar(kmin + r * rb, kind, d, lo);
-        row_scalar(kmax + r * rb, kind, d, hi);
-        for (Py_ssize_t j = 0; j < g; j++) {
-            const Py_ssize_t o = (head * g + j) * d;
-            float bound = 0.0f, slack = 0.0f;
-            for (Py_ssize_t i = 0; i < d; i++) {
-                bound += pos[o + i] * hi[i] + neg[o + i] * lo[i];
-                slack += mag[o + i] * (hi[i] > -lo[i] ? hi[i] : -lo[i]);
-            }
-            out[r * g + j] = bound + slack;
-        }
-    }
-}
-
-#ifdef HAVE_AVX2_PATH
 AVX2 static inline __attribute__((always_inline)) void
 bounds_avx2_g(const float *pos, const float *neg, const float *mag, const char *kmin,
               const char *kmax, float *out, Py_ssize_t m, Py_ssize_t h, Py_ssize_t d, const int G,
@@ -105,7 +85,6 @@ typedef void (*bounds_fn)(const float *, const float *, const float *, const cha
 static const bounds_fn BOUNDS_AVX2[] = {NULL, bounds_avx2_1, bounds_avx2_2, bounds_avx2_3,
                                         bounds_avx2_4, bounds_avx2_5, bounds_avx2_6,
                                         bounds_avx2_7, bounds_avx2_8};
-#define MAX_AVX2_GROUP 8
 #endif
 
 PyObject *py_bound_scores(PyObject *self, PyObject *args)
@@ -116,27 +95,23 @@ PyObject *py_bound_scores(PyObject *self, PyObject *args)
     (void)self;
     if (!PyArg_ParseTuple(args, "nnnnnnnnif", &q, &kmin, &kmax, &out, &m, &h, &g, &d, &kind, &alpha))
         return NULL;
-    if (m < 0 || h < 1 || g < 1 || d < 1 || kind < KIND_F32 || kind > KIND_BF16) {
-        PyErr_Format(PyExc_ValueError, "bound_scores: m=%zd h=%zd g=%zd d=%zd kind=%d", m, h, g,
-                     d, kind);
+    if (!kernel_fits(h, g, d, kind) || m < 0) {
+        PyErr_Format(PyExc_ValueError, "bound_scores: no kernel for m=%zd h=%zd g=%zd d=%zd "
+                     "kind=%d on this CPU", m, h, g, d, kind);
         return NULL;
     }
+#ifdef HAVE_AVX2_PATH
     const Py_ssize_t nq = h * g * d;
-    float *parts = malloc((size_t)(3 * nq + 2 * d) * sizeof(float));
+    float *parts = malloc((size_t)(3 * nq) * sizeof(float));
     if (parts == NULL)
         return PyErr_NoMemory();
     float *pos = parts, *neg = parts + nq, *mag = parts + 2 * nq;
     Py_BEGIN_ALLOW_THREADS
     query_parts((const float *)q, nq, alpha, pos, neg, mag);
-#ifdef HAVE_AVX2_PATH
-    if (d % 8 == 0 && g <= MAX_AVX2_GROUP && have_avx2())
-        BOUNDS_AVX2[g](pos, neg, mag, (const char *)kmin, (const char *)kmax, (float *)out, m, h,
-                       d, kind);
-    else
-#endif
-        bounds_scalar(pos, neg, mag, (const char *)kmin, (const char *)kmax, (float *)out, m, h,
-                      g, d, kind, parts + 3 * nq, parts + 3 * nq + d);
+    BOUNDS_AVX2[g](pos, neg, mag, (const char *)kmin, (const char *)kmax, (float *)out, m, h, d,
+                   kind);
     Py_END_ALLOW_THREADS
     free(parts);
+#endif
     Py_RETURN_NONE;
 }

@@ -1,53 +1,13 @@
-/* What tierkv's kernels share: 16-bit float rows read as fp32, scalar and AVX2 (+FMA, F16C). */
+/* What tierkv's kernels share: rows of fp16 / bf16 / fp32 read as fp32 with AVX2, FMA and F16C,
+ * and which CPUs and shapes they run on. */
 #ifndef TIERKV_SIMD_H
 #define TIERKV_SIMD_H
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include <stdint.h>
-#include <string.h>
-
 enum { KIND_F32 = 0, KIND_F16 = 1, KIND_BF16 = 2 }; /* the `kind` argument of the kernels */
-
-static inline float half_to_float(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13); /* inf, nan */
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else { /* subnormal: man * 2^-24, normalised */
-        exp = 113;
-        while (!(man & 0x400)) {
-            man <<= 1;
-            exp--;
-        }
-        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline void row_scalar(const char *src, int kind, Py_ssize_t d, float *dst)
-{
-    if (kind == KIND_F32) {
-        memcpy(dst, src, (size_t)d * sizeof(float));
-        return;
-    }
-    const uint16_t *h = (const uint16_t *)src;
-    for (Py_ssize_t i = 0; i < d; i++) {
-        if (kind == KIND_F16) {
-            dst[i] = half_to_float(h[i]);
-        } else {
-            uint32_t bits = (uint32_t)h[i] << 16;
-            memcpy(dst + i, &bits, sizeof(float));
-        }
-    }
-}
+#define MAX_GROUP 8 /* query heads a kv head, at most: their accumulators stay in registers */
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -86,5 +46,22 @@ static inline int have_avx2(void)
     return known;
 }
 #endif /* HAVE_AVX2_PATH */
+
+/* Whether this CPU runs the kernels (an x86-64 CPU with AVX2, FMA and F16C). */
+static inline int kernels_ready(void)
+{
+#ifdef HAVE_AVX2_PATH
+    return have_avx2();
+#else
+    return 0;
+#endif
+}
+
+/* Whether the kernels take `rows` rows of `g` query heads of `d` dims of `kind`. */
+static inline int kernel_fits(Py_ssize_t rows, Py_ssize_t g, Py_ssize_t d, int kind)
+{
+    return kernels_ready() && rows >= 1 && g >= 1 && g <= MAX_GROUP && d >= 8 && d % 8 == 0 &&
+           kind >= KIND_F32 && kind <= KIND_BF16;
+}
 
 #endif

@@ -3,8 +3,9 @@
  * shuffle(src, itemsize, out=None)      byte planes of n items (byte 0 of all, byte 1 of all...)
  * unshuffle(src, itemsize, out=None)    the inverse
  * pread_extents(fd, offsets, lengths, out) -> int   extents of one file, back to back in out
- * decode_attend(...), decode_attend_path()           decode attention over 16-bit KV (attend.c)
+ * decode_attend(...)                                  decode attention over 16-bit KV (attend.c)
  * bound_scores(...)                                   LKA chunk bounds from summaries (bounds.c)
+ * kernels_ready() -> bool                             whether this CPU runs those two (simd.h)
  *
  * Pure fallbacks with identical results live in tierkv/storage/native.py; the attention's is
  * torch's, in tierkv/attention.py.
@@ -248,8 +249,9 @@ static PyMethodDef methods[] = {
      "decode_attend(q, k, v, top, sum, out, B, g, n, d, kind) -> None\n\n"
      "Merge one part's attention into a running softmax state; addresses, checked by the caller\n"
      "(tierkv.attention.DecodeAccumulator)."},
-    {"decode_attend_path", py_decode_attend_path, METH_NOARGS,
-     "decode_attend_path() -> 'avx2' | 'scalar': the kernels this CPU runs."},
+    {"kernels_ready", py_kernels_ready, METH_NOARGS,
+     "kernels_ready() -> bool: whether this CPU runs decode_attend and bound_scores\n"
+     "(x86-64 with AVX2, FMA and F16C); where not, callers take torch's path."},
     {"bound_scores", py_bound_scores, METH_VARARGS,
      "bound_scores(q, kmin, kmax, out, m, h, g, d, kind, alpha) -> None\n\n"
      "LKA chunk bounds per query head into out; addresses, checked by the caller\n"

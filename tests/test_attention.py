@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-import tierkv.attention
+import tierkv.kernels
 from tierkv.attention import DecodeAccumulator, decode_attention
 
-needs_native = pytest.mark.skipif(tierkv.attention._decode_attend is None,
-                                  reason="tierkv._native is not built")
+needs_native = pytest.mark.skipif(tierkv.kernels.decode_attend is None,
+                                  reason="tierkv._native's kernels are not built or not for this CPU")
 
 
 def _parts(n, cuts):
@@ -33,7 +33,7 @@ def test_parts_merge_to_the_whole(dtype, native):
 
 
 @pytest.mark.parametrize("native", [False, None])
-@pytest.mark.parametrize("dim", [8, 6])  # the vector and scalar paths of the C kernel
+@pytest.mark.parametrize("dim", [8, 6])  # the C kernel's and (not a multiple of 8) torch's
 def test_large_scores_do_not_overflow(native, dim):
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(4, dim, generator=gen) * 100
@@ -57,9 +57,9 @@ def test_result_needs_a_part():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group, dim", [(1, 64), (3, 64), (4, 128), (8, 24), (9, 64), (3, 12)])
 def test_native_kernel_equals_torchs_path(dtype, group, dim):
-    """The C kernel's vector path (head_dim a multiple of 8, up to 8 query heads a group) and
-    scalar path (the others), like torch's, against fp64 attention over parts of odd sizes,
-    some of them views."""
+    """The C kernel (head_dim a multiple of 8, up to 8 query heads a group) and torch's path (the
+    others, whatever ``native`` says), against fp64 attention over parts of odd sizes, some of
+    them views."""
     gen = torch.Generator().manual_seed(group * 1000 + dim)
     layers, kv_heads, n = 2, 2, 157
     q = torch.randn(layers, kv_heads * group, dim, generator=gen)
@@ -92,13 +92,13 @@ def test_native_and_torch_parts_share_one_state():
 
 @needs_native
 def test_native_kernel_reads_fp16_subnormals_infinities_and_nan_as_torch_does():
-    """The scalar path converts fp16 itself (head_dim 6): subnormal keys and values convert
-    exactly, an infinite key takes all the attention of the heads it meets, a NaN spreads."""
-    q = torch.tensor([[1.0, -1.0, 0.5, 0.0, 2.0, 1.0]] * 2)
-    k = torch.tensor([[[6e-8, -3e-5, 1e-7, 0.0, 5e-6, -6e-8],
-                       [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]]]).half()
-    v = torch.tensor([[[6e-8, 1e-6, -2e-5, 3.0, 0.0, 1.0],
-                       [-1.0, 2e-7, 0.5, 4e-6, 1.0, 0.0]]]).half()
+    """Subnormal fp16 keys and values convert exactly, an infinite key takes all the attention
+    of the heads it meets, a NaN spreads."""
+    q = torch.tensor([[1.0, -1.0, 0.5, 0.0, 2.0, 1.0, -0.5, 0.25]] * 2)
+    k = torch.tensor([[[6e-8, -3e-5, 1e-7, 0.0, 5e-6, -6e-8, 2e-7, 0.0],
+                       [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]]]).half()
+    v = torch.tensor([[[6e-8, 1e-6, -2e-5, 3.0, 0.0, 1.0, 5e-8, -1.0],
+                       [-1.0, 2e-7, 0.5, 4e-6, 1.0, 0.0, 3e-7, 2.0]]]).half()
     outs = []
     for native in (False, True):
         acc = DecodeAccumulator(q, 1.0, native=native)
@@ -136,7 +136,7 @@ def test_bad_parts_are_named_before_any_kernel_runs():
 
 
 def test_native_true_needs_the_kernel(monkeypatch):
-    monkeypatch.setattr(tierkv.attention, "_decode_attend", None)
+    monkeypatch.setattr(tierkv.kernels, "decode_attend", None)
     with pytest.raises(ValueError, match="not built"):
         DecodeAccumulator(torch.randn(4, 8), 1.0, native=True)
     acc = DecodeAccumulator(torch.randn(4, 8), 1.0)  # falls back to torch's path

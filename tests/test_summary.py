@@ -2,23 +2,24 @@
 import pytest
 import torch
 
-import tierkv.summary
+import tierkv.kernels
 from tierkv.summary import (attention_shares, bound_scores, chunk_scores, criticality,
                             merge_summaries, rounding_margin, segment_minmax, summarize,
                             summarize_segments)
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-NATIVE = tierkv.summary._native_bounds
-needs_native = pytest.mark.skipif(NATIVE is None, reason="tierkv._native is not built")
+NATIVE = tierkv.kernels.bound_scores
+needs_native = pytest.mark.skipif(NATIVE is None,
+                                  reason="tierkv._native's kernels are not built or not for this CPU")
 
 
 @pytest.fixture(params=["native", "torch"])
 def path(request, monkeypatch):
     """Each bound test on both paths: the C kernel (where built) and torch's."""
     if request.param == "native" and NATIVE is None:
-        pytest.skip("tierkv._native is not built")
+        pytest.skip("tierkv._native's kernels are not built or not for this CPU")
     if request.param == "torch":
-        monkeypatch.setattr(tierkv.summary, "_native_bounds", None)
+        monkeypatch.setattr(tierkv.kernels, "bound_scores", None)
     return request.param
 
 
@@ -76,8 +77,8 @@ def test_summaries_kept_in_the_keys_dtype_score_as_fp32(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group, dim", [(1, 64), (3, 64), (4, 128), (8, 16), (9, 64), (3, 12)])
 def test_native_bounds_equal_torchs_up_to_rounding(dtype, group, dim, monkeypatch):
-    """The C kernel (vector path; scalar path for head_dim 12 or 9 query heads a group) against
-    torch's: the same bounds within the fp32 rounding of d-term sums in another order."""
+    """The C kernel (torch's path for head_dim 12 or 9 query heads a group, beyond its limits)
+    against torch's: the same bounds within the fp32 rounding of d-term sums in another order."""
     gen = torch.Generator().manual_seed(group * 100 + dim)
     keys = random_keys(gen, 2, 700, dim, dtype)
     kmin, kmax = summarize_segments(keys, random_bounds(gen, 700, 5))
@@ -85,7 +86,7 @@ def test_native_bounds_equal_torchs_up_to_rounding(dtype, group, dim, monkeypatc
     native = bound_scores(q, kmin.to(dtype), kmax.to(dtype))
     scale = torch.einsum("hgd,mhd->mhg", q.abs().view(2, group, dim),
                          torch.maximum(kmin.abs(), kmax.abs()).float())
-    monkeypatch.setattr(tierkv.summary, "_native_bounds", None)
+    monkeypatch.setattr(tierkv.kernels, "bound_scores", None)
     reference = bound_scores(q, kmin.to(dtype), kmax.to(dtype))
     assert native.shape == reference.shape and native.dtype == torch.float32
     assert bool(((native - reference).abs() <= 8 * dim * 2.0 ** -24 * scale).all())

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import kernels
+
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
                      block: int = 512, column_mass: bool = False):
@@ -104,13 +106,14 @@ class DecodeAccumulator:
     fetch batches), merged by log-sum-exp: once every part is added, ``result()`` is the
     attention over all of them together, without concatenating them.
 
-    On a CPU, parts go through ``tierkv._native.decode_attend`` when it is built: it reads fp16,
-    bf16 or fp32 keys and values once, converting each row in registers, and keeps the running
-    softmax state in place (8 query heads of 128 dims over 64-token records of fp16 KV: ~3x
-    torch's path, ``bench.scale``'s attention). Otherwise each part is attended once in fp32
-    with torch; fp16 / bf16 parts are converted first (on a CPU, fp16 matrix products are several
-    times slower than converting and multiplying in fp32). Both give the same attention up to
-    fp32 rounding.
+    On a CPU, parts go through the C kernel ``tierkv.kernels.decode_attend`` where it runs
+    (``tierkv.kernels``: AVX2, head_dim a multiple of 8, up to 8 query heads a kv head): it reads
+    fp16, bf16 or fp32 keys and values once, converting each row in registers, and keeps the
+    running softmax state in place (``bench.scale``'s 4 layers x 32 query heads x 128 dims over
+    81 records of 64 fp16 tokens: 12 ms against 25 with torch, one thread). Otherwise each part
+    is attended once in fp32 with torch; fp16 / bf16 parts are converted first (on a CPU, fp16
+    matrix products are several times slower than converting and multiplying in fp32). Both give
+    the same attention up to fp32 rounding.
 
     Parameters
     ----------
@@ -124,22 +127,23 @@ class DecodeAccumulator:
     def __init__(self, q: torch.Tensor, scaling: float, native: bool | None = None):
         if native not in (None, True, False):
             raise ValueError(f"native={native!r}: expected None, True or False")
-        if native and _decode_attend is None:
-            raise ValueError("native=True: tierkv._native.decode_attend is not built "
-                             "(reinstall tierkv with a C compiler)")
+        if native and kernels.decode_attend is None:
+            raise ValueError("native=True: tierkv._native's kernels are not built (reinstall "
+                             "tierkv with a C compiler) or this CPU lacks AVX2, FMA or F16C")
         if q.dim() < 2:
             raise ValueError(f"q {tuple(q.shape)}: expected (..., q_heads, head_dim)")
         self._q = (q.float() * scaling).contiguous()
         # the running state lives on q's device: the kernel takes it where that is the CPU
-        self._native = native is not False and _decode_attend is not None and self._q.is_cpu
+        self._native = (native is not False and kernels.decode_attend is not None
+                        and self._q.is_cpu)
         self._top = self._sum = self._out = None
 
     def add(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Attend to one part: ``k``, ``v`` of shape (..., kv_heads, n, head_dim), n >= 1, with
         q's leading dims; q_heads = kv_heads * g (query head ``h`` reads kv head ``h // g``)."""
         self._check(k, v)
-        if (self._native and k.is_cpu and v.is_cpu and k.dtype is v.dtype and k.dtype in _KINDS
-                and v.shape == k.shape):
+        if (self._native and k.is_cpu and v.is_cpu and k.dtype is v.dtype and v.shape == k.shape
+                and kernels.fits(self._q.shape[-2] // k.shape[-3], k.shape[-1], k.dtype)):
             self._add_native(k, v)
             return
         *lead, kv_heads, _, dim = k.shape
@@ -189,13 +193,6 @@ class DecodeAccumulator:
                                                (self._top, self._sum, self._out))
         k, v = k.contiguous(), v.contiguous()
         rows = k.numel() // (n * dim)  # every (leading index, kv head)
-        _decode_attend(self._q.data_ptr(), k.data_ptr(), v.data_ptr(), self._top.data_ptr(),
-                       self._sum.data_ptr(), self._out.data_ptr(), rows, g, n, dim, _KINDS[k.dtype])
-
-
-_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # decode_attend's `kind`
-
-try:
-    from ._native import decode_attend as _decode_attend
-except ImportError:  # not built (no compiler), or built from an older source
-    _decode_attend = None
+        kernels.decode_attend(self._q.data_ptr(), k.data_ptr(), v.data_ptr(), self._top.data_ptr(),
+                              self._sum.data_ptr(), self._out.data_ptr(), rows, g, n, dim,
+                              kernels.KINDS[k.dtype])

@@ -7,7 +7,7 @@ stored). For a query ``q`` and every key ``k`` of the chunk,
 The bound is computed as ``q+ . kmax + q- . kmin`` (``q+``, ``q-``: the positive and negative
 parts of ``q``), two matrix products straight from the summaries, with no elementwise pass over
 them but the one that gives ``max(|kmin|, |kmax|)`` for the slack below. On a CPU the C kernel
-``tierkv._native.bound_scores`` computes the same sums in one pass over the summaries, each
+``tierkv.kernels.bound_scores`` (where it runs) computes the same sums in one pass over the summaries, each
 fp16 / bf16 row converted in registers (4,096 chunks x 8 KV heads x 128 dims of fp16: 3.2 ms
 against 7.6 with torch, one thread); it sums in another order, which the slack covers as well.
 
@@ -25,15 +25,11 @@ import math
 
 import torch
 
+from . import kernels
+
 _KEY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _UNIT_ROUNDOFF = 2.0 ** -24
 _SCORE_BLOCK = 512  # chunks scored at once by ``bound_scores``
-_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the C kernel's ``kind``
-
-try:
-    from ._native import bound_scores as _native_bounds
-except ImportError:  # not built (no compiler), or built from an older source
-    _native_bounds = None
 
 
 def _check_keys(keys: torch.Tensor) -> None:
@@ -172,11 +168,11 @@ def bound_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) ->
     q = _grouped_query(query, kmin)
     alpha = 4 * _gamma(q.shape[-1])
     m = kmin.shape[0]
-    if _native_bounds is not None and _native_fits(q, kmin, kmax):
+    if kernels.bound_scores is not None and _native_fits(q, kmin, kmax):
         out = torch.empty(m, q.shape[0], q.shape[1])
         q, kmin, kmax = q.contiguous(), kmin.contiguous(), kmax.contiguous()
-        _native_bounds(q.data_ptr(), kmin.data_ptr(), kmax.data_ptr(), out.data_ptr(), m,
-                       q.shape[0], q.shape[1], q.shape[2], _KINDS[kmin.dtype], alpha)
+        kernels.bound_scores(q.data_ptr(), kmin.data_ptr(), kmax.data_ptr(), out.data_ptr(), m,
+                             q.shape[0], q.shape[1], q.shape[2], kernels.KINDS[kmin.dtype], alpha)
         return out
     pos, neg, mag = q.clamp(min=0), q.clamp(max=0), q.abs()
     out = torch.empty(m, q.shape[0], q.shape[1], device=q.device)
@@ -191,10 +187,12 @@ def bound_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) ->
 
 
 def _native_fits(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> bool:
-    """The C kernel takes CPU summaries of one dtype and shape, (m, kv_heads, head_dim)."""
-    return (q.device.type == kmin.device.type == kmax.device.type == "cpu"
-            and kmin.dtype == kmax.dtype and kmin.dtype in _KINDS and kmin.shape == kmax.shape
-            and kmin.dim() == 3 and kmin.shape[1:] == (q.shape[0], q.shape[2]))
+    """The C kernel takes CPU summaries of one dtype and shape, (m, kv_heads, head_dim), within
+    its limits (``tierkv.kernels.fits``)."""
+    return (q.is_cpu and kmin.is_cpu and kmax.is_cpu and kmin.dtype == kmax.dtype
+            and kmin.shape == kmax.shape and kmin.dim() == 3
+            and kmin.shape[1:] == (q.shape[0], q.shape[2])
+            and kernels.fits(q.shape[1], q.shape[2], kmin.dtype))
 
 
 def _magnitude(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
