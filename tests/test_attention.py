@@ -142,3 +142,20 @@ def test_native_true_needs_the_kernel(monkeypatch):
     acc = DecodeAccumulator(torch.randn(4, 8), 1.0)  # falls back to torch's path
     acc.add(torch.randn(2, 3, 8).half(), torch.randn(2, 3, 8).half())
     assert acc.result().shape == (4, 1, 8)
+
+
+def test_kernel_limits_are_what_the_kernels_take():
+    fits = tierkv.kernels.fits
+    assert fits(1, 8, torch.float16) and fits(8, 128, torch.bfloat16) and fits(3, 64, torch.float32)
+    assert not fits(9, 64, torch.float16) and not fits(0, 64, torch.float16)
+    assert not fits(3, 12, torch.float16) and not fits(3, 64, torch.float64)
+
+
+@needs_native
+@pytest.mark.parametrize("g, d, kind", [(9, 64, 1), (3, 12, 1), (3, 64, 3), (0, 64, 1)])
+def test_the_kernels_refuse_what_they_do_not_take(g, d, kind):
+    """Beyond their limits the kernels raise before reading any address (these are 0)."""
+    with pytest.raises(ValueError, match="no kernel"):
+        tierkv.kernels.decode_attend(0, 0, 0, 0, 0, 0, 1, g, 1, d, kind)
+    with pytest.raises(ValueError, match="no kernel"):
+        tierkv.kernels.bound_scores(0, 0, 0, 0, 1, 1, g, d, kind, 0.0)
