@@ -11,7 +11,7 @@ from tierkv.config import CodecConfig
 from tierkv.storage import CorruptRecordError, DiskTier, DocInUseError, RecordKey, StorageError, \
     TierFullError
 from tierkv.storage.manifest import MANIFEST
-from tierkv.storage.segment import HEADER
+from tierkv.storage.segment import parse_header
 
 LOSSY = CodecConfig(codec="auto", allow_lossy=True)
 
@@ -45,7 +45,7 @@ def test_clean_directory_opens_from_headers_and_reads_still_check_crcs(tmp_path,
             tier.put(key, make_block(key))
     segment = next(tmp_path.glob("seg-*.tkv"))
     data = bytearray(segment.read_bytes())
-    data[HEADER.size + 5] ^= 0x10  # the first record's payload
+    data[parse_header(data).payload_at + 5] ^= 0x10  # the first record's payload
     segment.write_bytes(bytes(data))
     with DiskTier(tmp_path) as tier:
         assert tier.open_report["checked"].startswith("headers") and len(tier) == 8

@@ -11,6 +11,7 @@ import torch
 from tierkv.config import CodecConfig
 from tierkv.storage import CorruptRecordError, DiskTier, RecordKey, StorageError
 from tierkv.storage.manifest import MANIFEST, encode_manifest
+from tierkv.storage import segment
 from tierkv.storage.segment import HEADER
 
 
@@ -86,6 +87,30 @@ def test_manifest_header_length_absurd(tmp_path, make_block):
         assert "absurd" in tier.open_report["manifest"] and len(tier) == 1
 
 
+def test_pad_bytes_and_fields_are_checked(tmp_path, make_block):
+    """A record's pad bytes must be zero, its pad below PAD_ALIGN, and absent from version 1."""
+    with DiskTier(tmp_path, codec=CodecConfig("raw")) as tier:
+        tier.put(_key(), make_block(_key()))
+        path = tmp_path / "seg-000001.tkv"
+        data = bytearray(path.read_bytes())
+        header = segment.parse_header(data)
+        assert header.pad > 0  # the first record of a file: 157 bytes to its tensor bytes
+        data[HEADER.size + header.pad - 1] = 1
+        path.write_bytes(bytes(data))
+        with pytest.raises(CorruptRecordError, match="pad bytes are not zero"):
+            tier.get(_key())
+    head = bytearray(data[:HEADER.size])
+    pad_at = HEADER.size - 4 - 12  # the field after doc
+    for version, pad, problem in ((2, segment.PAD_ALIGN, "pad 64 invalid"),
+                                  (1, 3, "pad 3 invalid for format version 1")):
+        struct.pack_into("<H", head, 4, version)
+        head[pad_at] = pad
+        with pytest.raises(CorruptRecordError, match=problem):
+            segment.parse_header(bytes(head))
+    with pytest.raises(ValueError, match="pad=64"):
+        segment.pack_record(segment.KIND_DATA, _key(), 1, b"x", pad=64)
+
+
 def test_corrupt_payload_raises_never_returns(tmp_path, make_block):
     with DiskTier(tmp_path, codec=CodecConfig("raw")) as tier:
         tier.put(_key(), make_block(_key()))
@@ -139,7 +164,8 @@ def test_a_newer_format_is_refused_and_left_as_it_is(tmp_path, make_block, monke
         tier.put(_key(), make_block(_key()))
     monkeypatch.undo()
     before = _snapshot(newer)
-    with pytest.raises(NewerFormatError, match="record format version 2: this tierkv reads"):
+    newer_version = f"record format version {segment.VERSION + 1}: this tierkv reads"
+    with pytest.raises(NewerFormatError, match=newer_version):
         DiskTier(newer)
     assert _snapshot(newer) == before
 
@@ -179,7 +205,7 @@ def test_a_newer_format_is_refused_and_left_as_it_is(tmp_path, make_block, monke
     seg = tail / "seg-000001.tkv"
     os.truncate(seg, seg.stat().st_size - 50)  # the newer record, torn
     before = _snapshot(tail)
-    with pytest.raises(NewerFormatError, match="format version 2"):
+    with pytest.raises(NewerFormatError, match=f"format version {segment.VERSION + 1}"):
         DiskTier(tail)
     assert _snapshot(tail) == before
 

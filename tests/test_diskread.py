@@ -8,7 +8,9 @@ import torch
 
 from conftest import block_for, same
 from tierkv.config import CodecConfig
-from tierkv.storage import CorruptRecordError, RecordKey, diskread
+from tierkv.storage import CorruptRecordError, RecordKey, diskread, segment
+from tierkv.storage import disk as disktier
+from tierkv.storage.codec import BLOCK_HEADER_SIZE
 from tierkv.storage.disk import DiskTier
 
 Loc = namedtuple("Loc", "offset length")
@@ -109,6 +111,66 @@ def test_direct_reads_give_what_page_cache_reads_give(tmp_path, codec):
             blocks = disk.get_many(wanted)
             assert disk.reads_direct() is direct
             assert all(same(b, block_for(k, dtype=torch.float16)) for k, b in zip(wanted, blocks))
+            if codec == "raw":  # views of the read, aligned: the file aligns the tensor bytes
+                _assert_views_of_one_read(disk, wanted, blocks)
+
+
+def _assert_views_of_one_read(disk, keys, blocks):
+    """Every block's keys 64-byte aligned and inside one buffer the size of the batch (a decode
+    copy would be an allocation of its own)."""
+    assert all(b.keys.data_ptr() % diskread.ALIGN == 0 for b in blocks)
+    ptrs = [b.keys.data_ptr() for b in blocks]
+    assert max(ptrs) - min(ptrs) < sum(disk.size_of(k) + diskread.DIRECT_BLOCK for k in keys)
+
+
+def _tensor_offsets(disk, keys):
+    live = disk._files.index.live
+    return [live[k].offset + live[k].header.payload_at + BLOCK_HEADER_SIZE for k in keys]
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_records_put_their_tensor_bytes_on_64_byte_boundaries_of_the_file(tmp_path, codec):
+    """Whatever the record sizes before them (odd ones here), across segments and after a
+    tombstone; the pad is at most 63 bytes."""
+    keys = [RecordKey("doc", 0, s, s + n) for s, n in ((0, 31), (31, 17), (48, 45), (93, 9),
+                                                        (102, 33))]
+    with DiskTier(tmp_path, segment_size=4096, codec=CodecConfig(codec)) as disk:
+        for key in keys[:3]:
+            disk.put(key, block_for(key, dtype=torch.float16))
+        disk.remove(keys[1])
+        for key in keys[3:] + keys[1:2]:
+            disk.put(key, block_for(key, dtype=torch.float16))
+        assert len(list(tmp_path.glob("seg-*"))) > 1
+        assert all(at % segment.PAD_ALIGN == 0 for at in _tensor_offsets(disk, keys))
+        assert all(disk._files.index.live[k].header.pad < segment.PAD_ALIGN for k in keys)
+
+
+def test_version_1_records_without_pad_are_still_read(tmp_path, monkeypatch):
+    """Records of the first format (no pad: tensor bytes wherever they fall) and new ones in one
+    segment read back right through the page cache and with O_DIRECT (misaligned ones copied)."""
+    old = [RecordKey("doc", 0, s, s + n) for s, n in ((0, 3), (3, 1), (4, 7))]
+    new = [RecordKey("doc", 1, s, s + n) for s, n in ((0, 2), (2, 5))]
+    with monkeypatch.context() as m:
+        m.setattr(segment, "VERSION", 1)
+        m.setattr(disktier, "payload_pad", lambda offset, lead: 0)
+        with DiskTier(tmp_path, codec=CodecConfig("raw")) as disk:
+            for key in old:
+                disk.put(key, block_for(key, dtype=torch.float16))
+    with DiskTier(tmp_path, codec=CodecConfig("raw")) as disk:
+        for key in new:
+            disk.put(key, block_for(key, dtype=torch.float16))
+    data = (tmp_path / "seg-000001.tkv").read_bytes()
+    assert int.from_bytes(data[4:6], "little") == 1
+    modes = (True, False) if _direct_ok(tmp_path) else (False,)
+    for direct in modes:
+        with DiskTier(tmp_path, direct_io=direct) as disk:
+            live = disk._files.index.live
+            assert [live[k].header.pad for k in old] == [0, 0, 0]
+            assert any(at % 2 for at in _tensor_offsets(disk, old))  # misaligned as they were
+            assert all(at % segment.PAD_ALIGN == 0 for at in _tensor_offsets(disk, new))
+            wanted = new + old + old[:1]
+            assert all(same(b, block_for(k, dtype=torch.float16))
+                       for k, b in zip(wanted, disk.get_many(wanted)))
 
 
 def test_a_file_system_that_refuses_o_direct_is_read_through_the_page_cache(tmp_path,

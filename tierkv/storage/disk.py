@@ -20,15 +20,16 @@ import torch
 
 from ..config import CodecConfig, check_direct_io, parse_size
 from .base import CorruptRecordError, KVBlock, RecordKey, Tier, TierFullError
-from .codec import Codec, codec_by_id, codec_name_by_id, decode_block, encode_block, make_codec
+from .codec import BLOCK_HEADER_SIZE, Codec, codec_by_id, codec_name_by_id, decode_block, \
+    encode_block, make_codec
 from .diskmeta import DocMeta
 from .diskread import DIRECT_AVAILABLE, DirectIOUnsupported, RawRecord, read_batch
 from .locking import DocHold
 from .manifest import refuse_newer_manifest
 from .native import crc32
 from .segfiles import SegmentDir
-from .segment import HEADER, KIND_DATA, KIND_DOC_TOMBSTONE, KIND_KEY_TOMBSTONE, pack_record, \
-    segment_name
+from .segment import HEADER, KIND_DATA, KIND_DOC_TOMBSTONE, KIND_KEY_TOMBSTONE, PAD_ALIGN, \
+    pack_record, payload_pad, segment_name
 
 
 class DiskTier(Tier):
@@ -137,16 +138,19 @@ class DiskTier(Tier):
         cpu = block.to("cpu")
         payload = encode_block(enc, cpu)
         crc = crc32(payload)
-        need = HEADER.size + len(payload)
+        need = HEADER.size + PAD_ALIGN - 1 + len(payload)  # at most: the pad depends on where
         with self._lock:
             self._check_open()
             old = self._sizes.get(key, 0)
             if self.budget is not None and self._used - old + need > self.budget:
                 raise TierFullError(f"disk: {key} needs {need} B, {self.budget - self._used + old} "
                                     f"B free of {self.budget}")
-            self._append(lambda seq: pack_record(
+            # the block's tensor bytes on a PAD_ALIGN boundary of the file: an O_DIRECT read
+            # puts them there in memory, where the raw codec decodes them as a view
+            self._append(lambda seq, offset: pack_record(
                 KIND_DATA, key, seq, payload, payload_crc=crc, codec=enc.id,
-                dtype=cpu.keys.dtype, shape=tuple(cpu.keys.shape), raw_len=cpu.nbytes))
+                dtype=cpu.keys.dtype, shape=tuple(cpu.keys.shape), raw_len=cpu.nbytes,
+                pad=0 if offset is None else payload_pad(offset, BLOCK_HEADER_SIZE)))
 
     def _append(self, make_record) -> None:
         _, record, gone, live = self._files.append(make_record)
@@ -182,7 +186,7 @@ class DiskTier(Tier):
             return size
 
     def _drop(self, key: RecordKey) -> None:
-        self._append(lambda seq: pack_record(KIND_KEY_TOMBSTONE, key, seq))
+        self._append(lambda seq, offset: pack_record(KIND_KEY_TOMBSTONE, key, seq))
 
     def delete_doc(self, doc: str) -> tuple[int, int]:
         """Forget every record and the metadata of ``doc``; reclaim the space.
@@ -194,7 +198,7 @@ class DiskTier(Tier):
             self._check_open()
             hold = None if doc in self._holds else DocHold(self._files.dir_fd, doc, self.path)
             try:
-                self._append(lambda seq: pack_record(KIND_DOC_TOMBSTONE, key, seq))
+                self._append(lambda seq, offset: pack_record(KIND_DOC_TOMBSTONE, key, seq))
                 self._meta.drop(doc)
                 self.flush()  # the manifest forgets it before reclaiming may drop the tombstone
                 return self.reclaim()

@@ -16,7 +16,7 @@ from .base import CorruptRecordError, NewerFormatError, StorageError
 from .diskindex import DiskIndex, SegmentInfo
 from .locking import DirLock
 from .manifest import DiskWriteError
-from .segment import HEADER, MAGIC, SEGMENT_RE, VERSION, Scanned, check_crc, newer_version, \
+from .segment import HEADER, MAGIC, PAD_ALIGN, SEGMENT_RE, VERSION, Scanned, check_crc, newer_version, \
     parse_header, scan_headers, scan_segment, segment_name
 
 ZERO_TAIL_MAX = 1 << 20  # a longer tail of zeros is kept aside all the same, not judged torn
@@ -235,7 +235,9 @@ class SegmentDir:
 
     # -- appending ----------------------------------------------------------------------
     def append(self, make_record, moved: bool = False):
-        """Append ``make_record(seq)`` (the record's buffers for the next seq) to the active file.
+        """Append ``make_record(seq, offset)`` (the record's buffers for the next seq, to be
+        written at file ``offset``) to the active file. It is first called with offset None to
+        size the record, which may then grow by a pad of less than ``PAD_ALIGN`` bytes.
 
         Returns (segment, Scanned, keys no longer live, key now live). On a write error the
         partial record is cut off again and DiskWriteError raised; nothing else changes.
@@ -243,10 +245,12 @@ class SegmentDir:
         self._check_writable()
         with self.lock.exclusive():
             self.refresh()
-            parts = make_record(self.index.max_seq + 1)
-            size = sum(len(p) for p in parts)
-            number, fd = self._active(size)
+            seq = self.index.max_seq + 1
+            size = sum(len(p) for p in make_record(seq, None))
+            number, fd = self._active(size + PAD_ALIGN - 1)
             offset = self.index.segments[number].size
+            parts = make_record(seq, offset)
+            size = sum(len(p) for p in parts)
             try:
                 _write_all(fd, parts, offset)
             except OSError as exc:
@@ -329,7 +333,7 @@ class SegmentDir:
             check_crc(record.header, data)
         except CorruptRecordError:
             return False
-        self.append(lambda seq: (data,), moved=True)
+        self.append(lambda seq, offset: (data,), moved=True)  # as it is: its pad stays valid
         return True
 
     def _delete(self, number: int) -> None:

@@ -1,13 +1,20 @@
-"""The on-disk record format: a fixed little-endian header followed by the payload.
+"""The on-disk record format: a fixed little-endian header, ``pad`` zero bytes, the payload.
 
-Layout of one record (``HEADER.size`` = 144 bytes of header, then ``stored_len`` bytes)::
+Layout of one record (``HEADER.size`` = 144 bytes of header, ``pad`` zero bytes, then
+``stored_len`` bytes)::
 
     magic "TKVR" | version u16 | kind u8 | codec u8 | dtype u8 | doc_len u8 |
     layers u16 | kv_heads u16 | head_dim u16 | group u64 | start u64 | end u64 |
-    raw_len u64 | stored_len u64 | seq u64 | doc 64s | reserved 12 bytes | crc32 u32
+    raw_len u64 | stored_len u64 | seq u64 | doc 64s | pad u8 | reserved 11 bytes | crc32 u32
 
-``crc32`` is ``crc32(header bytes before it, crc32(payload))``, so the payload's part is computed
-outside any lock. ``seq`` is a store-wide sequence
+``pad`` (format version 2; version 1 records, still read, have none) is chosen when the record
+is appended, from its offset in the file, so that a chosen point of the payload (the tensor
+bytes of a block: ``payload_pad``) lies on a ``PAD_ALIGN``-byte boundary of the file. An
+``O_DIRECT`` read lands bytes where they lie in the file's blocks, so the raw codec can decode
+such a record as a view of the read, with no copy: in version 1, records start 157 bytes before
+their tensor bytes, and half of the fp16 records of a segment (three quarters of fp32 ones) came
+misaligned. ``crc32`` is ``crc32(header bytes before it, crc32(payload))``, so the payload's
+part is computed outside any lock; the pad bytes must be zero. ``seq`` is a store-wide sequence
 number: among records for one key the highest ``seq`` wins, tombstones included. Records are never
 changed after they are written; files only grow (or lose a torn tail).
 """
@@ -24,8 +31,9 @@ from .base import CorruptRecordError, NewerFormatError, RecordKey
 from .native import crc32
 
 MAGIC = b"TKVR"
-VERSION = 1
-HEADER = struct.Struct("<4sHBBBBHHHQQQQQQ64s12xI")
+VERSION = 2  # written; every version from 1 up to it is read
+HEADER = struct.Struct("<4sHBBBBHHHQQQQQQ64sB11xI")
+PAD_ALIGN = 64  # the file boundary ``pad`` aligns a record's payload point to
 KIND_DATA, KIND_DOC_TOMBSTONE, KIND_KEY_TOMBSTONE = 0, 1, 2
 DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 DTYPES_BY_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
@@ -56,11 +64,17 @@ class RecordHeader:
     seq: int
     doc: str
     crc: int
+    pad: int = 0
 
     @property
     def length(self) -> int:
-        """Bytes of the whole record (header and payload)."""
-        return HEADER.size + self.stored_len
+        """Bytes of the whole record (header, pad and payload)."""
+        return HEADER.size + self.pad + self.stored_len
+
+    @property
+    def payload_at(self) -> int:
+        """Where the payload starts in the record."""
+        return HEADER.size + self.pad
 
     @property
     def key(self) -> RecordKey:
@@ -77,19 +91,28 @@ class RecordHeader:
 
 def pack_record(kind: int, key: RecordKey, seq: int, payload=b"", *, payload_crc: int | None = None,
                 codec: int = 0, dtype: torch.dtype | None = None, shape=(0, 0, 0, 0),
-                raw_len: int = 0) -> tuple[bytes, bytes]:
-    """(header, payload) of one record, written back to back (``payload_crc``: its crc32 if known).
-    """
+                raw_len: int = 0, pad: int = 0) -> tuple[bytes, ...]:
+    """(header, pad bytes, payload) of one record, written back to back (``payload_crc``: its
+    crc32 if known); (header, payload) without pad."""
+    if not 0 <= pad < PAD_ALIGN:
+        raise ValueError(f"pad={pad}: must be in [0, {PAD_ALIGN})")
     doc = key.doc.encode()
     layers, kv_heads, _, head_dim = shape
     dcode = DTYPE_CODES[dtype] if dtype is not None else 0
     fields = (MAGIC, VERSION, kind, codec, dcode, len(doc), layers, kv_heads, head_dim,
-              key.group, key.start, key.end, raw_len, len(payload), seq, doc)
+              key.group, key.start, key.end, raw_len, len(payload), seq, doc, pad)
     head = HEADER.pack(*fields, 0)[:-4]
     if payload_crc is None:
         payload_crc = crc32(payload)
     crc = crc32(head, payload_crc)
-    return head + struct.pack("<I", crc), payload
+    head += struct.pack("<I", crc)
+    return (head, bytes(pad), payload) if pad else (head, payload)
+
+
+def payload_pad(offset: int, lead: int) -> int:
+    """The pad of a record appended at file ``offset`` that puts byte ``lead`` of its payload on
+    a ``PAD_ALIGN`` boundary of the file."""
+    return -(offset + HEADER.size + lead) % PAD_ALIGN
 
 
 def parse_header(buf) -> RecordHeader:
@@ -100,11 +123,14 @@ def parse_header(buf) -> RecordHeader:
     if len(buf) < HEADER.size:
         raise CorruptRecordError(f"record header truncated: {len(buf)} of {HEADER.size} bytes")
     (magic, version, kind, codec, dtype, doc_len, layers, kv_heads, head_dim, group, start, end,
-     raw_len, stored_len, seq, doc, crc) = HEADER.unpack_from(buf)
+     raw_len, stored_len, seq, doc, pad, crc) = HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise CorruptRecordError(f"bad magic {magic!r}: not a tierkv record")
-    if version != VERSION:
-        raise CorruptRecordError(f"record format version {version}: this build reads {VERSION}")
+    if not 1 <= version <= VERSION:
+        raise CorruptRecordError(f"record format version {version}: this build reads 1 to "
+                                 f"{VERSION}")
+    if pad >= PAD_ALIGN or (pad and version < 2):
+        raise CorruptRecordError(f"record pad {pad} invalid for format version {version}")
     if kind not in (KIND_DATA, KIND_DOC_TOMBSTONE, KIND_KEY_TOMBSTONE):
         raise CorruptRecordError(f"record kind {kind} unknown")
     if not 0 < doc_len <= 64 or any(doc[doc_len:]):
@@ -112,7 +138,7 @@ def parse_header(buf) -> RecordHeader:
     if stored_len > MAX_STORED or raw_len > MAX_STORED:
         raise CorruptRecordError(f"record lengths {raw_len}/{stored_len} absurd")
     header = RecordHeader(kind, codec, dtype, layers, kv_heads, head_dim, group, start, end,
-                          raw_len, stored_len, seq, _decode_doc(doc[:doc_len]), crc)
+                          raw_len, stored_len, seq, _decode_doc(doc[:doc_len]), crc, pad)
     _check_fields(header)
     return header
 
@@ -142,19 +168,22 @@ def _check_fields(h: RecordHeader) -> None:
         raise CorruptRecordError(f"tombstone of {key} carries a payload")
 
 
-def _record_crc(view: memoryview) -> int:
+def _record_crc(view: memoryview, pad: int) -> int:
     """The crc32 a record's header stores: over the header before it, then the payload."""
-    return crc32(view[:HEADER.size - 4], crc32(view[HEADER.size:]))
+    return crc32(view[:HEADER.size - 4], crc32(view[HEADER.size + pad:]))
 
 
 def check_crc(header: RecordHeader, record) -> None:
-    """Raise CorruptRecordError unless ``record`` (header + payload bytes) matches its crc32."""
+    """Raise CorruptRecordError unless ``record`` (header, pad and payload bytes) matches its
+    crc32 and its pad bytes are zero."""
     view = memoryview(record)
     if len(view) != header.length:
         raise CorruptRecordError(f"record truncated: {len(view)} of {header.length} bytes")
-    crc = _record_crc(view)
+    crc = _record_crc(view, header.pad)
     if crc != header.crc:
         raise CorruptRecordError(f"record crc32 mismatch ({crc:#010x} != {header.crc:#010x})")
+    if header.pad and any(view[HEADER.size:header.payload_at]):
+        raise CorruptRecordError(f"record pad bytes are not zero ({header.pad} bytes)")
 
 
 @dataclass(frozen=True)
@@ -239,11 +268,11 @@ def _raise_if_newer(fd: int, head: bytes, offset: int, end: int) -> None:
     if version is None or len(head) < HEADER.size:
         return
     fields = HEADER.unpack_from(head)
-    stored_len, crc = fields[13], fields[-1]
-    if offset + HEADER.size + stored_len > end:
+    stored_len, pad, crc = fields[13], fields[16], fields[-1]
+    if offset + HEADER.size + pad + stored_len > end:
         return
-    record = os.pread(fd, HEADER.size + stored_len, offset)
-    if _record_crc(memoryview(record)) == crc:
+    record = os.pread(fd, HEADER.size + pad + stored_len, offset)
+    if _record_crc(memoryview(record), pad) == crc:
         raise NewerFormatError.of("record format", version, VERSION)
 
 
