@@ -41,7 +41,8 @@ AVX2 static inline __m256 exp_avx2(__m256 x)
     y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
     y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
+    e = _mm256_slli_epi32(e, 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 

@@ -93,7 +93,8 @@ PyObject *py_bound_scores(PyObject *self, PyObject *args)
     int kind;
     float alpha;
     (void)self;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnif", &q, &kmin, &kmax, &out, &m, &h, &g, &d, &kind, &alpha))
+    if (!PyArg_ParseTuple(args, "nnnnnnnnif", &q, &kmin, &kmax, &out, &m, &h, &g, &d, &kind,
+                          &alpha))
         return NULL;
     if (!kernel_fits(h, g, d, kind) || m < 0) {
         PyErr_Format(PyExc_ValueError, "bound_scores: no kernel for m=%zd h=%zd g=%zd d=%zd "

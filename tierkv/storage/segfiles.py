@@ -16,8 +16,8 @@ from .base import CorruptRecordError, NewerFormatError, StorageError
 from .diskindex import DiskIndex, SegmentInfo
 from .locking import DirLock
 from .manifest import DiskWriteError
-from .segment import HEADER, MAGIC, PAD_ALIGN, SEGMENT_RE, VERSION, Scanned, check_crc, newer_version, \
-    parse_header, scan_headers, scan_segment, segment_name
+from .segment import HEADER, MAGIC, PAD_ALIGN, SEGMENT_RE, VERSION, Scanned, check_crc, \
+    newer_version, parse_header, scan_headers, scan_segment, segment_name
 
 ZERO_TAIL_MAX = 1 << 20  # a longer tail of zeros is kept aside all the same, not judged torn
 _RO = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
