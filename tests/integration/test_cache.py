@@ -385,6 +385,32 @@ def test_continuing_without_the_cached_ids_is_named(model_and_tok):
     assert again.numel() == 2
 
 
+def test_continuing_another_text_is_refused(model_and_tok):
+    """generate takes the first ids it is given, as many as the cache holds, for the cached ones
+    without looking: another text of that length or longer would be answered against this
+    one's context. It is refused before any layer runs, naming the first differing position;
+    the cache goes on, and once it is closed the model's own generate is back."""
+    model, tok = model_and_tok
+    ids = tok("A short text. " * 20, return_tensors="pt")["input_ids"]
+    more = tok(" And more.", return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with TieredCache(model, TierConfig(device_budget="8MB", host_budget="64MB"), "full") as cache:
+        generate(model, ids, cache, new=2)
+        held = cache.get_seq_length()
+        other = torch.cat([cache.token_ids, more], dim=1)
+        other[0, 5] = (other[0, 5] + 1) % model.config.vocab_size
+        with pytest.raises(ValueError, match=f"differ from the cache's at position 5 \\(of the "
+                                             f"{held} it holds\\)"):
+            generate(model, other, cache, new=2)
+        assert cache.get_seq_length() == held
+        assert "prepare_inputs_for_generation" in vars(model)
+        again = generate(model, torch.cat([cache.token_ids, more], dim=1), cache, new=2)
+    assert again.numel() == 2
+    assert "prepare_inputs_for_generation" not in vars(model)
+    with TieredCache(model, TierConfig(device_budget="8MB", host_budget="64MB"), "full") as cache:
+        generate(model, ids[:, :10], cache, new=2)  # a fresh cache: nothing held, nothing checked
+        assert cache.get_seq_length() == 11
+
+
 def test_one_live_cache_per_model(model_and_tok):
     """A second TieredCache on a model a live one serves is refused (it would take over the
     model's attention, and closing either would hand it back under the other); once the first

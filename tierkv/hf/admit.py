@@ -4,6 +4,7 @@ one it can serve, the device its tiers follow, and the document it writes (held 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import torch
@@ -132,3 +133,48 @@ def check_forward(held: int, window: int | None, args, kwargs) -> None:
         raise ValueError(f"{tokens} tokens pass the model's sliding window ({window}): its "
                          "layers attend only that far back, while a TieredCache attends the "
                          "whole context")
+
+
+def check_prefix(held_ids: torch.Tensor, held: int, input_ids: torch.Tensor) -> None:
+    """Refuse ``input_ids`` (1, n) that ``generate`` would feed from position ``held`` on when
+    their first ``held`` ids are not the cache's (``held_ids``, (1, held)): generate takes those
+    as the cached ones without looking, so another prompt would be answered against this one's
+    context."""
+    mine = held_ids[0]
+    given = input_ids[0, :held].to(mine.device)
+    if not torch.equal(given, mine):
+        at = int((given != mine).nonzero()[0, 0])
+        raise ValueError(f"the ids given to generate differ from the cache's at position {at} "
+                         f"(of the {held} it holds): generate feeds only the ids past them, so "
+                         "the new tokens would follow another text; pass cache.token_ids followed "
+                         "by the new tokens, or start a new cache for another text")
+
+
+class GenerateGuard:
+    """Wraps ``model.prepare_inputs_for_generation`` so that each ``generate`` call on ``cache``
+    checks, before its first forward pass, that its ids continue the cache's (``check_prefix``);
+    ``remove()`` unwraps it. Only where generate slices the ids (they start with the cached
+    ones) and the cache knows its ids (they were fed as ``input_ids``)."""
+
+    def __init__(self, model, cache):
+        self.model, self.prepare = model, getattr(model, "prepare_inputs_for_generation", None)
+        self.wrapper = None
+        if self.prepare is None:  # a model without generate
+            return
+
+        @functools.wraps(self.prepare)  # generate reads its signature
+        def prepare(input_ids, *args, **kwargs):
+            held = cache.get_seq_length()
+            if kwargs.get("past_key_values") is cache and kwargs.get("is_first_iteration") \
+                    and held and cache.token_ids.shape[1] == held \
+                    and isinstance(input_ids, torch.Tensor) and input_ids.shape[0] == 1 \
+                    and kwargs.get("next_sequence_length") == input_ids.shape[1] - held > 0:
+                check_prefix(cache.token_ids, held, input_ids)
+            return self.prepare(input_ids, *args, **kwargs)
+
+        model.prepare_inputs_for_generation = self.wrapper = prepare
+
+    def remove(self) -> None:
+        if self.wrapper is not None and \
+                self.model.__dict__.get("prepare_inputs_for_generation") is self.wrapper:
+            del self.model.prepare_inputs_for_generation

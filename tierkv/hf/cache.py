@@ -30,7 +30,8 @@ from ..shapes import KVShape
 from ..storage.base import KVBlock, TierFullError
 from ..storage.probe import read_bandwidth
 from ..storage.store import KVStore
-from .admit import check_args, check_forward, claim_doc, on_model_device, sliding_window
+from .admit import (GenerateGuard, check_args, check_forward, claim_doc, on_model_device,
+                    sliding_window)
 from .groups import Fetch, GroupIndex
 from .prefill import prefill_attention
 from .profile import check_profile, load_profile
@@ -414,8 +415,9 @@ class TieredCache(Cache):
         AttentionInterface.register(self._attn_name, self._attention)
         self._previous_attn = model.config._attn_implementation
         model.set_attn_implementation(self._attn_name)
-        self._ids_hook = model.get_input_embeddings().register_forward_pre_hook(self._record_ids)
-        self._forward_hook = model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)
+        self._hooks = [model.get_input_embeddings().register_forward_pre_hook(self._record_ids)]
+        self._hooks.append(model.register_forward_pre_hook(self._begin_forward, with_kwargs=True))
+        self._hooks.append(GenerateGuard(model, self))  # one at a time: see _uninstall
         model._tierkv_cache = weakref.ref(self)
 
     def _uninstall(self) -> None:
@@ -427,9 +429,8 @@ class TieredCache(Cache):
         if name is not None and model.config._attn_implementation == name:
             model.set_attn_implementation(self._previous_attn)
         AttentionInterface._global_mapping.pop(name, None)
-        for hook in (getattr(self, "_ids_hook", None), getattr(self, "_forward_hook", None)):
-            if hook is not None:
-                hook.remove()
+        for hook in getattr(self, "_hooks", ()):
+            hook.remove()
         if getattr(model, "_tierkv_cache", lambda: None)() is self:
             model._tierkv_cache = lambda: None
 
