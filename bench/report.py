@@ -154,6 +154,9 @@ def scale_rows(d: dict) -> list[tuple]:
     for tokens, r in d.get("sizes", {}).items():
         rows += [(f"{tokens} tok: step / physical bound", r.get("step_over_physical_bound"),
                   f"step {fmt(r.get('step_s', 0) * 1e3)} ms vs disk bytes / raw read bandwidth"),
+                 (f"{tokens} tok: step / CPU bound", r.get("step_over_cpu_bound"),
+                  f"the same step vs its process CPU time / cores "
+                  f"({fmt((r.get('step_cpu_s') or 0) * 1e3)} ms of CPU a step)"),
                  (f"{tokens} tok: fetch / physical bound", r.get("fetch_over_physical_bound"),
                   "the step's KVStore.fetch time alone (host and disk records) / the same bound"),
                  (f"{tokens} tok: step / extent bound", r.get("step_over_extent_bound"),

@@ -27,7 +27,12 @@ before each step:
   a step's disk records (scattered 1 MiB reads, ``IO_THREADS`` at a time, the best of page-cache
   and O_DIRECT reads): the disk's limit for this access pattern, without any of tierkv's work;
 
-and once, ``brute_s``: the step reading every record, through the same code.
+and once, ``brute_s``: the step reading every record, through the same code. ``step_cpu_s``: the
+CPU time of the whole process during a step (every thread, user and system: selection, reads,
+checks, attention); ``cpu_bound_s`` that over the cores the process may use: the step cannot be
+shorter, however fast the disk. On a machine of few cores, a fast disk leaves the step bound by
+the CPU (``step_over_cpu_bound`` near 1) and a slow one by the disk (``step_over_physical_bound``
+near 1): the physical bound alone does not say which limit a run met.
 
 Memory: each size runs in a fresh process. ``rss_baseline`` is that process before the store
 opens (torch, the synthetic pool; ``rss_idle``: the parent, torch only); ``peak_rss_write``,
@@ -47,6 +52,7 @@ import argparse
 import contextlib
 import math
 import multiprocessing
+import os
 import queue
 import resource
 import shutil
@@ -79,6 +85,7 @@ FETCHERS = 2             # batches fetched at once
 IO_THREADS = 8           # the disk tier's readers (default 4): scattered 1 MiB reads gain from depth
 BRUTE_MAX_BYTES = 48 << 30  # reading every record: ~1.5 min a step at 30 GB here
 SCALING = SHAPE.head_dim ** -0.5
+CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class SyntheticKV:
@@ -246,7 +253,7 @@ def step(store: KVStore, kv: SyntheticKV, summaries, chosen_of, workers: Workers
     ``keys``: the records read.
     """
     drop_store_cache(store)
-    read0 = store.disk.bytes_read
+    read0, cpu0 = store.disk.bytes_read, _cpu_seconds()
     work = {name: Timeline() for name in ("select", "fetch", "attend", "stall")}
     items, cancel = queue.Queue(LOOKAHEAD), threading.Event()
     start = time.perf_counter()
@@ -264,7 +271,14 @@ def step(store: KVStore, kv: SyntheticKV, summaries, chosen_of, workers: Workers
     sync(store.device.device)
     seconds = time.perf_counter() - start
     return {"s": seconds, **{f"{name}_s": t.seconds for name, t in work.items()}, "keys": keys,
+            "cpu_s": _cpu_seconds() - cpu0,
             "disk_bytes": store.disk.bytes_read - read0, "recall": hits / (NEEDLES * len(summaries))}
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process so far, every thread, user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def top_chunks(select_tokens: int):
@@ -358,7 +372,9 @@ def step_figures(runs: list[dict], gbps: float, extent: float) -> dict:
     """The steps' mean times and disk bytes against the sequential and extent bounds."""
     mean = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0] if k != "keys"}
     bound, extent_bound = (mean["disk_bytes"] / (rate * 1e9) for rate in (gbps, extent))
-    return {"step_s": mean["s"], "step_fetch_s": mean["fetch_s"],
+    cpu_bound = mean["cpu_s"] / CPUS
+    return {"step_s": mean["s"], "step_fetch_s": mean["fetch_s"], "step_cpu_s": mean["cpu_s"],
+            "cpu_bound_s": cpu_bound, "step_over_cpu_bound": mean["s"] / cpu_bound,
             "step_select_s": mean["select_s"], "step_attend_s": mean["attend_s"],
             "step_stall_s": mean["stall_s"], "disk_bytes_per_step": mean["disk_bytes"],
             "needle_recall": mean["recall"], "raw_read_gbps": gbps, "physical_bound_s": bound,
@@ -410,12 +426,14 @@ def main(argv=None) -> dict:
     not_run = {str(t): f"{SHAPE.kv_bytes(t) / 1e9:.0f} GB of KV: not run in this invocation"
                for t in (65536, 262144, 1 << 20) if str(t) not in results}
     print(f"{'tokens':>8} {'step ms':>8} {'fetch ms':>8} {'disk MB/step':>12} {'bound ms':>9} "
-          f"{'step/bound':>10} {'step/extent':>11} {'brute/step':>10} {'recall':>6} {'rss GB':>7}")
+          f"{'step/bound':>10} {'step/extent':>11} {'step/cpu':>8} {'brute/step':>10} {'recall':>6} "
+          f"{'rss GB':>7}")
     for r in results.values():
         brute = r["brute_over_step"]
         print(f"{r['tokens']:>8} {r['step_s'] * 1e3:8.1f} {r['step_fetch_s'] * 1e3:8.1f} "
               f"{r['disk_bytes_per_step'] / 1e6:12.1f} {r['physical_bound_s'] * 1e3:9.1f} "
               f"{r['step_over_physical_bound'] or 0:10.2f} {r['step_over_extent_bound'] or 0:11.2f} "
+              f"{r['step_over_cpu_bound']:8.2f} "
               f"{'-' if brute is None else f'{brute:.1f}':>10} {r['needle_recall']:6.2f} "
               f"{r['peak_rss_step'] / 1e9:7.2f}")
     result = {"config": {"layers": SHAPE.layers, "kv_heads": SHAPE.kv_heads, "head_dim": SHAPE.head_dim,

@@ -20,6 +20,7 @@ def fake_results() -> dict:
                                              "disk_bytes_per_token": 0.0, "stall_frac": None},
                              "h2o": {"error": "TierFullError: boom"}}},
         "scale": {"machine": MACHINE, "sizes": {"16384": {"step_over_physical_bound": 1.7, "step_s": 0.2,
+                                                          "step_over_cpu_bound": 1.25, "step_cpu_s": 0.32,
                                                           "brute_over_step": None, "brute_s": None,
                                                           "brute_skipped": "too big", "needle_recall": 1.0,
                                                           "peak_rss_process": 4_830_000_000,
@@ -41,6 +42,8 @@ def test_render_rows_and_machine():
     assert "| scale | 16384 tok: peak RSS GB | 4.83 | whole run of the size, torch included; target: " \
            "host budget 4 GB + 1 GB |" in table
     assert "| scale | 16384 tok: step / extent bound | - |" in table
+    assert "| scale | 16384 tok: step / CPU bound | 1.25 | the same step vs its process CPU time / " \
+           "cores (320 ms of CPU a step) |" in table
     assert "not run: 137 GB of KV" in table
     assert "| mystery | - | - | no renderer for this file |" in table
     assert table.count("Machine: 2 CPUs, no GPU") == 1   # one machine, described once
