@@ -417,7 +417,7 @@ class TieredCache(Cache):
         model.set_attn_implementation(self._attn_name)
         self._hooks = [model.get_input_embeddings().register_forward_pre_hook(self._record_ids)]
         self._hooks.append(model.register_forward_pre_hook(self._begin_forward, with_kwargs=True))
-        self._hooks.append(GenerateGuard(model, self))  # one at a time: see _uninstall
+        self._hooks.append(GenerateGuard(model, self))  # so _uninstall undoes what was done
         model._tierkv_cache = weakref.ref(self)
 
     def _uninstall(self) -> None:

@@ -24,7 +24,7 @@ bytes lie in the buffer as they lie in the file: records written by this version
 64-byte boundary of the file (the header's ``pad``, ``segment.payload_pad``), so the raw codec
 decodes them as views here too. Records of format version 1 had no pad and lie where they fell
 (157 bytes after their record's start: half of fp16 records, three quarters of fp32 ones, are
-misaligned); their decode copies them. At 128K tokens of ``bench.scale`` with O_DIRECT (260 MB
+misaligned); their decode copies them. At 128K tokens of ``bench.scale`` with O_DIRECT (300 MB
 of fp16 records a step), steps over records of this version took 0.96x the time of steps over
 the same records written without pads (median of 10 alternating pairs, one process), and 191
 against 231 ms of CPU a step.
