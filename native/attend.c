@@ -106,13 +106,22 @@ scores_avx2(const float *q, const char *k, const char *v, size_t rb, Py_ssize_t 
 }
 
 /* out (G, d) += p (G, n) @ v (n, d), 16 columns at a time: the accumulators of every query head
- * stay in registers over all n rows (a record's rows stay in L1 across the column passes). */
+ * stay in registers over all n rows (a record's rows stay in L1 across the column passes).
+ * Meanwhile the `ahead` bytes at `next` (the next keys, NULL for none) are prefetched, a share
+ * per column pass: this pass reads only cached rows, so memory would otherwise idle while it
+ * computes, and the next scores would wait on it (cold records: 0.21 against 0.13 ms a MiB). */
 AVX2 static inline __attribute__((always_inline)) void
 weigh_avx2(const float *p, const char *v, size_t rb, Py_ssize_t n, Py_ssize_t d, float *out,
-           const int G, const int kind)
+           const int G, const int kind, const char *next, size_t ahead)
 {
+    const size_t passes = (size_t)(d + 15) / 16;
+    const size_t share = ((ahead + passes - 1) / passes + 63) & ~(size_t)63;
     for (Py_ssize_t i = 0; i < d; i += 16) {
         const int two = i + 8 < d;
+        if (next != NULL)
+            for (size_t at = (size_t)i / 16 * share, end = at + share; at < end && at < ahead;
+                 at += 64)
+                _mm_prefetch(next + at, _MM_HINT_T0);
         __m256 a0[G], a1[G];
         for (int j = 0; j < G; j++)
             a0[j] = a1[j] = _mm256_setzero_ps();
@@ -143,7 +152,8 @@ attend_avx2_g(const float *q, const char *k, const char *v, float *top, float *s
         const char *kb = k + (size_t)b * n * rb, *vb = v + (size_t)b * n * rb;
         scores_avx2(q + b * G * d, kb, vb, rb, n, d, scores, G, kind);
         merge_avx2(scores, top + b * G, sum + b * G, out + b * G * d, G, n, d);
-        weigh_avx2(scores, vb, rb, n, d, out + b * G * d, G, kind);
+        weigh_avx2(scores, vb, rb, n, d, out + b * G * d, G, kind, b + 1 < B ? kb + n * rb : NULL,
+                   n * rb);
     }
 }
 
