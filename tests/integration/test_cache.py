@@ -20,6 +20,10 @@ def test_prefill_logits_match_plain(model_and_tok, passkey_cases):
     model, _ = model_and_tok
     ids, _ = passkey_cases[0]
     with torch.no_grad():
+        # Twice in about 50 runs (under CPU load) the process's first plain forward came out
+        # 0.0088 off the usual logits while the tiered ones were the usual: plain torch and
+        # transformers, no tierkv code in that call. The reference comes from a second forward.
+        model(ids)
         ref = model(ids).logits[0, -1]
         with TieredCache(model, TierConfig(device_budget="8MB", host_budget="1GB"), "full",
                          prefill_block=128) as cache:
