@@ -109,7 +109,8 @@ scores_avx2(const float *q, const char *k, const char *v, size_t rb, Py_ssize_t 
  * stay in registers over all n rows (a record's rows stay in L1 across the column passes).
  * Meanwhile the `ahead` bytes at `next` (the next keys, NULL for none) are prefetched, a share
  * per column pass: this pass reads only cached rows, so memory would otherwise idle while it
- * computes, and the next scores would wait on it (cold records: 0.21 against 0.13 ms a MiB). */
+ * computes, and the next scores would wait on it (1 MiB fp16 records not in cache: 0.157 ms
+ * against 0.181 without; 0.133 in cache). */
 AVX2 static inline __attribute__((always_inline)) void
 weigh_avx2(const float *p, const char *v, size_t rb, Py_ssize_t n, Py_ssize_t d, float *out,
            const int G, const int kind, const char *next, size_t ahead)
