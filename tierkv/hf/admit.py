@@ -135,12 +135,12 @@ def check_forward(held: int, window: int | None, args, kwargs) -> None:
                          "whole context")
 
 
-def check_prefix(held_ids: torch.Tensor, held: int, input_ids: torch.Tensor) -> None:
+def check_prefix(held_ids: torch.Tensor, input_ids: torch.Tensor) -> None:
     """Refuse ``input_ids`` (1, n) that ``generate`` would feed from position ``held`` on when
     their first ``held`` ids are not the cache's (``held_ids``, (1, held)): generate takes those
     as the cached ones without looking, so another prompt would be answered against this one's
     context."""
-    mine = held_ids[0]
+    mine, held = held_ids[0], held_ids.shape[1]
     given = input_ids[0, :held].to(mine.device)
     if not torch.equal(given, mine):
         at = int((given != mine).nonzero()[0, 0])
@@ -164,12 +164,12 @@ class GenerateGuard:
 
         @functools.wraps(self.prepare)  # generate reads its signature
         def prepare(input_ids, *args, **kwargs):
-            held = cache.get_seq_length()
-            if kwargs.get("past_key_values") is cache and kwargs.get("is_first_iteration") \
-                    and held and cache.token_ids.shape[1] == held \
-                    and isinstance(input_ids, torch.Tensor) and input_ids.shape[0] == 1 \
-                    and kwargs.get("next_sequence_length") == input_ids.shape[1] - held > 0:
-                check_prefix(cache.token_ids, held, input_ids)
+            if kwargs.get("is_first_iteration") and kwargs.get("past_key_values") is cache:
+                held = cache.get_seq_length()  # once a generate call: decode steps skip this
+                if held and cache.token_ids.shape[1] == held \
+                        and isinstance(input_ids, torch.Tensor) and input_ids.shape[0] == 1 \
+                        and kwargs.get("next_sequence_length") == input_ids.shape[1] - held > 0:
+                    check_prefix(cache.token_ids, input_ids)
             return self.prepare(input_ids, *args, **kwargs)
 
         model.prepare_inputs_for_generation = self.wrapper = prepare
