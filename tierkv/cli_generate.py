@@ -20,6 +20,7 @@ from tqdm import tqdm
 from .cli_args import check_new_dir, check_store_dir, read_document, saved_doc
 from .cli_report import TimedStreamer, kv_rows, print_table, run_rows
 from .config import FETCH_UNITS, SelectConfig
+from .hf.model import cache_kwargs
 from .shapes import text_config
 from .textgen import document_text, question_text
 
@@ -193,7 +194,7 @@ def _answer(args, model, tok, cache, turn: torch.Tensor, new_tokens: int) -> dic
     t0 = time.perf_counter()
     try:
         with torch.no_grad():
-            model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+            model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache),
                            max_new_tokens=new_tokens, do_sample=False, streamer=streamer)
     except BaseException:
         sys.stdout.write("\n")  # an error mid-answer goes on a line of its own
@@ -206,7 +207,7 @@ def prefill(model, cache, ids: torch.Tensor) -> float:
     """Prefill ``ids`` (1, n) into ``cache`` with a per-layer progress bar; the seconds taken."""
     t0 = time.perf_counter()
     with layer_progress(model, f"prefill {ids.shape[1]} tokens"), torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     return time.perf_counter() - t0
 
 

@@ -164,7 +164,8 @@ class GenerateGuard:
 
         @functools.wraps(self.prepare)  # generate reads its signature
         def prepare(input_ids, *args, **kwargs):
-            if kwargs.get("is_first_iteration") and kwargs.get("past_key_values") is cache:
+            passed = kwargs.get("cache", kwargs.get("past_key_values"))  # "cache" from 5.24 on
+            if kwargs.get("is_first_iteration") and passed is cache:
                 held = cache.get_seq_length()  # once a generate call: decode steps skip this
                 if held and cache.token_ids.shape[1] == held \
                         and isinstance(input_ids, torch.Tensor) and input_ids.shape[0] == 1 \

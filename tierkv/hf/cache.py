@@ -193,7 +193,7 @@ class TieredCache(Cache):
         layer = module.layer_idx
         if not self._fresh[layer]:
             raise RuntimeError(f"layer {layer} attends through a TieredCache that did not receive its "
-                               "keys: pass past_key_values=cache, or close() the cache first")
+                               "keys: pass cache=cache (past_key_values=), or close() the cache first")
         self._fresh[layer] = False
         q = query[0]
         scaling = module.scaling if scaling is None else scaling

@@ -7,6 +7,7 @@ Nothing is ever downloaded.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -123,6 +124,14 @@ def load_model(name_or_path, dtype: torch.dtype = torch.float32, device: str | N
     model.eval()
     model.generation_config.pad_token_id = tok.pad_token_id or tok.eos_token_id
     return model, tok
+
+
+def cache_kwargs(model, cache) -> dict:
+    """``{name: cache}`` under the keyword the installed transformers' ``forward`` and
+    ``generate`` take a cache by: ``cache`` from 5.24 on (where ``past_key_values`` is deprecated
+    and warns), ``past_key_values`` before."""
+    takes = inspect.signature(model.forward).parameters
+    return {"cache" if "cache" in takes else "past_key_values": cache}
 
 
 def _check_device(device) -> None:
