@@ -29,6 +29,17 @@ def attention_installed(model, name: str, attention):
         model.set_attn_implementation(previous)
 
 
+def document_ids(tok, tokens: int, seed: int) -> torch.Tensor:
+    """The first ``tokens`` ids of a seeded generated document (no facts), shape (1, tokens), on
+    ``bench_device()``. The text for a seed starts alike whatever its length."""
+    from tierkv.textgen import make_document
+
+    ids = tok(make_document(tok, tokens + 16, seed), return_tensors="pt")["input_ids"]
+    if ids.shape[1] < tokens:
+        raise RuntimeError(f"the generated document has {ids.shape[1]} tokens, {tokens} asked")
+    return ids[:, :tokens].to(bench_device())
+
+
 def real_kv(tokens: int, seed: int = 0, model_name: str = "smollm2-135m"):
     """KV of a generated document through SmolLM2: (keys, values, queries, model, tokenizer).
 

@@ -1,7 +1,8 @@
 """End-to-end decode speed and quality of every policy on SmolLM2 with the KV on disk.
 
-One seeded generated document (8K tokens; 2K with --quick) is prefilled once per case, then
-64 tokens (16 with --quick) are decoded greedily, all cases in one process:
+One seeded generated document is prefilled once per case, then 64 tokens are decoded greedily,
+all cases in one process. The document is as long as the model's context leaves room for: 8,128
+tokens, so that the 64 decoded ones end at SmolLM2's 8,192 (--quick: 2,048 tokens, 16 steps):
 
 * ``full_memory``: transformers' ``DynamicCache`` (the reference for speed and quality);
 * ``brute_offload``: ``TieredCache`` policy ``full`` with a 1 MB host tier, so all KV is on
@@ -40,11 +41,10 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from bench.common import bench_device, drop_page_cache, sync, write_result
+from bench.common import bench_device, document_ids, drop_page_cache, sync, write_result
 from tierkv import SelectConfig, TierConfig, TieredCache, TierFullError, load_model
 from tierkv.config import ChunkConfig
 from tierkv.shapes import KVShape
-from tierkv.textgen import make_document
 
 SPARSE = ("quest", "leoam", "omnikv", "h2o", "razor", "tierkv")
 DEVICE_SHARE, HOST_SHARE, SELECT = 0.05, 0.20, 0.1
@@ -52,12 +52,6 @@ CHUNKS = ChunkConfig()  # the default tree; ``--chunk-min`` changes it for a pro
 FETCH_UNIT = "record"  # SelectConfig.fetch_unit; ``--fetch-unit`` changes it for a profiling run
 BRUTE_HOST = 1_000_000
 PAIR_BLOCK = 8  # decode steps per turn when full_memory and tierkv alternate
-
-
-def prompt_ids(tok, tokens: int, seed: int = 0) -> torch.Tensor:
-    """The first ``tokens`` ids of a seeded generated document, shape (1, tokens)."""
-    ids = tok(make_document(tok, tokens + 256, seed), return_tensors="pt")["input_ids"]
-    return ids[:, :tokens].to(bench_device())
 
 
 @torch.no_grad()
@@ -187,7 +181,7 @@ def full_memory_case(model, ids, steps) -> tuple[dict, torch.Tensor]:
 
 
 def warm_up(model, tok, root: Path) -> None:
-    ids = prompt_ids(tok, 256, seed=1)
+    ids = document_ids(tok, 256, seed=1)
     run_decode(model, DynamicCache(), ids, None, 2)
     tiered_case(model, ids, None, 2, "tierkv", 64 << 20, 1 << 20, root / "warm")
 
@@ -232,9 +226,10 @@ def main(argv=None) -> dict:
         except ValueError as err:
             parser.error(f"--chunk-min {args.chunk_min}: {err}")
     torch.manual_seed(0)
-    tokens, steps = (2048, 16) if args.quick else (8192, 64)
     model, tok = load_model("smollm2-135m", device=str(bench_device()))
-    ids = prompt_ids(tok, tokens)
+    steps = 16 if args.quick else 64
+    tokens = 2048 if args.quick else model.config.max_position_embeddings - steps
+    ids = document_ids(tok, tokens, seed=0)
     kv = KVShape.from_config(model.config, dtype=model.dtype).kv_bytes(tokens)
     device, host = int(DEVICE_SHARE * kv), int(HOST_SHARE * kv)
     root = Path(tempfile.mkdtemp(prefix="tierkv-bench-decode-"))

@@ -39,10 +39,10 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from bench.common import bench_device, sync, write_result
+from bench.common import bench_device, document_ids, sync, write_result
 from tierkv import SelectConfig, TierConfig, TieredCache, load_model
 from tierkv.shapes import KVShape
-from tierkv.textgen import make_document, passkey_prompt
+from tierkv.textgen import passkey_prompt
 
 # headline and lossless-by-design policies first, so that a cut-short run keeps the figures that matter most
 POLICIES = ("full", "tierkv", "omnikv", "quest", "leoam", "h2o", "streaming", "razor")
@@ -138,15 +138,8 @@ class Prefills:
 
 
 def continuation_case(tok, context: int, continuation: int, seed: int):
-    """(context ids, continuation ids), shapes (1, context) and (continuation,), of one document.
-
-    The document is asked a quarter longer than needed: ``make_document`` sizes it from one
-    sentence's length and falls short by a few percent (4K: 3839 tokens for 4224 asked). Its
-    start does not depend on the length asked."""
-    doc = make_document(tok, (context + continuation) * 5 // 4 + 128, seed)
-    ids = tok(doc, return_tensors="pt")["input_ids"].to(bench_device())
-    if ids.shape[1] < context + continuation:
-        raise RuntimeError(f"document of {ids.shape[1]} tokens, need {context + continuation}")
+    """(context ids, continuation ids), shapes (1, context) and (continuation,), of one document."""
+    ids = document_ids(tok, context + continuation, seed)
     return ids[:, :context], ids[0, context:context + continuation]
 
 

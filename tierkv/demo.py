@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .textgen import city_fact, make_document, passkey_fact
 
-TOKENS = 3500
+TOKENS = 3250
 SEED = 11
 DEVICE_SHARE, HOST_SHARE = 0.10, 0.25
 NEW_TOKENS = 10

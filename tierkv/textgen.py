@@ -53,19 +53,29 @@ def filler_sentence(rng: random.Random) -> str:
 
 def make_document(tokenizer, n_tokens: int, seed: int, facts: list[Fact] = (),
                   depths: list[float] | None = None) -> str:
-    """A document of about ``n_tokens`` tokens with ``facts`` planted at ``depths`` (0..1)."""
+    """A document of ``n_tokens`` tokens as ``tokenizer`` counts them (up to a sentence more),
+    with ``facts`` planted at ``depths`` (0..1)."""
     if n_tokens < 16:
         raise ValueError(f"n_tokens={n_tokens}: must be at least 16")
     rng = random.Random(seed)
     depths = list(depths) if depths is not None else [rng.uniform(0.2, 0.8) for _ in facts]
     if len(depths) != len(facts):
         raise ValueError(f"{len(facts)} facts but {len(depths)} depths")
-    sentence_tokens = len(tokenizer(filler_sentence(rng))["input_ids"]) + 1
-    n_sentences = max(1, n_tokens // sentence_tokens)
-    sentences = [filler_sentence(rng) for _ in range(n_sentences)]
+    # This draw once sized the document from one sentence (which left it up to 10 % short); it
+    # is still drawn so that each seed's text, which the recorded benchmarks read, stays the same.
+    filler_sentence(rng)
+    room = n_tokens - sum(_token_count(tokenizer, " " + fact.sentence) for fact in facts)
+    sentences = []
+    while room > 0 or not sentences:
+        sentences.append(filler_sentence(rng))
+        room -= _token_count(tokenizer, " " + sentences[-1])  # as it follows another in the text
     for fact, depth in sorted(zip(facts, depths), key=lambda p: -p[1]):
         sentences.insert(int(depth * len(sentences)), fact.sentence)
     return " ".join(sentences)
+
+
+def _token_count(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def chat_prompt(tokenizer, document: str, question: str, answer_prefix: str = "",

@@ -346,7 +346,7 @@ def test_a_document_past_the_models_context_is_refused_before_prefill(model_and_
 
     _, tok = model_and_tok
     fact = passkey_fact(random.Random(SEED))
-    (tmp_path / "long.txt").write_text(make_document(tok, 9600, SEED, [fact]))  # ~8.7K tokens
+    (tmp_path / "long.txt").write_text(make_document(tok, 8700, SEED, [fact]))
     monkeypatch.setattr(cli_generate, "prefill", lambda *a: pytest.fail("prefilled"))
     status, err = run_main(["generate", "--file", str(tmp_path / "long.txt"), "--question",
                             fact.question, *BUDGETS], capsys)
