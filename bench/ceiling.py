@@ -25,6 +25,16 @@ dropped. The oracles, from most to least free:
 * ``filter_tokens`` / ``filter_chunks``: each layer reuses its filter layer's exact choice of this
   step (OmniKV's reuse across layers), tokens or chunks: the ceiling of ``omnikv`` and ``tierkv``.
 
+Two rows are not oracles but the cheapest way known to come near the per-head one (Loki's):
+``per_head_sketch16`` / ``per_head_sketch32`` rank each query head's tokens by its scores against
+a rank-16 / rank-32 projection of the keys (per KV head, onto the top principal directions of
+the prompt's keys), sinks and window always in, dense layers as above.
+
+Beside agreement, each row says what its choice must bring: ``moved_tokens``, the share of a
+sparse layer's tokens that some head keeps, and ``moved_chunks``, the share of its
+``ChunkConfig().base``-token chunks holding one (a chunk is the unit the tiers store and move),
+averaged over the decode steps and sparse layers.
+
     python -m bench.ceiling [--quick]   ->  bench/results/ceiling.json
 """
 from __future__ import annotations
@@ -52,6 +62,7 @@ class Oracle(NamedTuple):
     source: str       # "head", "kv_head", "layer" or "filter": whose exact weights choose
     granularity: int  # 1: tokens; else chunks of this many tokens
     dense: bool       # tierkv's dense layers attend in full
+    rank: int = 0     # "head" only: > 0 ranks by scores against a key sketch of this rank
 
 
 ORACLES = {"per_head_tokens": Oracle("head", 1, False),
@@ -61,7 +72,9 @@ ORACLES = {"per_head_tokens": Oracle("head", 1, False),
            "per_layer_tokens": Oracle("layer", 1, True),
            "per_layer_chunks": Oracle("layer", CHUNK, True),
            "filter_tokens": Oracle("filter", 1, True),
-           "filter_chunks": Oracle("filter", CHUNK, True)}
+           "filter_chunks": Oracle("filter", CHUNK, True),
+           "per_head_sketch16": Oracle("head", 1, True, 16),
+           "per_head_sketch32": Oracle("head", 1, True, 32)}
 
 
 class OracleAttention:
@@ -73,6 +86,8 @@ class OracleAttention:
         self.oracle: Oracle | None = None
         self.select = SelectConfig()
         self.weights: dict[int, torch.Tensor] = {}  # filter layer -> this step's token weights
+        self.bases: dict[tuple[int, int], torch.Tensor] = {}  # (layer, rank) -> key sketch basis
+        self.moved: list[tuple[float, float]] = []  # (tokens, chunks) kept, a sparse layer each
 
     def dense_layer(self, layer: int) -> bool:
         return layer < self.filters[0] or layer in self.filters
@@ -91,9 +106,28 @@ class OracleAttention:
             self.weights[layer] = probs.amax(dim=1)[0, 0]
         if self.oracle.dense and self.dense_layer(layer):
             return (probs @ values).transpose(1, 2).contiguous(), None
-        keep = self.kept(layer, probs, key.shape[1])
+        ranking = self.sketch_scores(layer, query, key) if self.oracle.rank else probs
+        keep = self.kept(layer, ranking, key.shape[1])
+        self.moved.append(moved(keep, probs.shape[-1]))
         scores = scores.masked_fill(~keep, float("-inf"))
         return (scores.softmax(-1) @ values).transpose(1, 2).contiguous(), None
+
+    def sketch_scores(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """Each query head's scores against the keys projected on the top ``oracle.rank``
+        principal directions of the layer's keys (per KV head, taken at the first decode step of
+        a context: the prompt's), sinks and window set to +inf; shape (1, q_heads, 1, n)."""
+        kv_heads, n = key.shape[1], key.shape[2]
+        basis = self.bases.get((layer, self.oracle.rank))
+        if basis is None:
+            keys = key[0].float()
+            basis = torch.linalg.eigh(keys.transpose(1, 2) @ keys).eigenvectors[:, :, -self.oracle.rank:]
+            self.bases[(layer, self.oracle.rank)] = basis  # (kv_heads, head_dim, rank)
+        sketch = key[0].float() @ basis  # (kv_heads, n, rank)
+        q = query[0, :, 0].float().view(kv_heads, -1, query.shape[-1]) @ basis
+        scores = (q @ sketch.transpose(1, 2)).view(1, -1, 1, n)
+        scores[..., :self.select.sinks] = float("inf")
+        scores[..., max(n - self.select.window, 0):] = float("inf")
+        return scores
 
     def kept(self, layer: int, probs: torch.Tensor, kv_heads: int) -> torch.Tensor:
         """Boolean mask of the kept tokens, broadcastable to ``probs`` (1, q_heads, 1, n); query
@@ -136,6 +170,14 @@ class OracleAttention:
         return keep | torch.isin(chunk, taken)
 
 
+def moved(keep: torch.Tensor, n: int) -> tuple[float, float]:
+    """Shares of the ``n`` tokens and of the ``CHUNK``-token chunks that some head's ``keep``
+    (broadcastable to (1, heads, 1, n)) holds."""
+    union = keep.reshape(-1, n).any(0)
+    chunks = torch.cat([union, union.new_zeros(-n % CHUNK)]).view(-1, CHUNK).any(1)
+    return union.float().mean().item(), chunks.float().mean().item()
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one 2K context, 32 tokens")
@@ -148,12 +190,14 @@ def main(argv=None) -> dict:
     filters = tuple(load_profile(model).get("filter_layers", DEFAULT_FILTERS))
     attention = OracleAttention(filters)
     agree = {name: {str(b): {} for b in BUDGETS} for name in ORACLES}
+    shares = {name: {str(b): [] for b in BUDGETS} for name in ORACLES}
     with torch.no_grad(), attention_installed(model, "tierkv_oracle", attention):
         for context in contexts:
             ctx, cont = continuation_case(tok, context, n_cont, seed=context)  # bench.quality's
             ref = reference_argmax(model, ctx, cont)
             cache = DynamicCache()
             model(ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            attention.bases = {}
             for name, oracle in ORACLES.items():
                 for budget in BUDGETS:
                     attention.oracle, attention.select = oracle, SelectConfig(budget=budget)
@@ -165,17 +209,29 @@ def main(argv=None) -> dict:
                         if extra:
                             cache.crop(-extra)  # back to the prompt alone
                     agree[name][str(budget)][str(context)] = top1_agreement(preds, ref)
+                    shares[name][str(budget)] += attention.moved
+                    attention.moved = []
             print(f"{context} tokens at {time.perf_counter() - started:.0f} s", flush=True)
-    oracles = {name: {b: {"top1_agreement": sum(by.values()) / len(by), "top1_by_context": by}
+    oracles = {name: {b: {"top1_agreement": sum(by.values()) / len(by), "top1_by_context": by,
+                          **mean_moved(shares[name][b])}
                       for b, by in budgets.items()} for name, budgets in agree.items()}
     result = {"oracles": oracles, "context_tokens": list(contexts), "continuation_tokens": n_cont,
               "filter_layers": list(filters), "chunk_tokens": CHUNK, "quick": args.quick,
               "model": "smollm2-135m", "wall_s": round(time.perf_counter() - started, 1)}
-    print(f"{'oracle':24s}" + "".join(f"{b:>8}" for b in BUDGETS))
+    print(f"{'oracle':24s}" + "".join(f"{b:>8}" for b in BUDGETS) + "   moved tokens / chunks at 0.1")
     for name, budgets in oracles.items():
-        print(f"{name:24s}" + "".join(f"{budgets[str(b)]['top1_agreement']:8.3f}" for b in BUDGETS))
+        at = budgets["0.1"]
+        print(f"{name:24s}" + "".join(f"{budgets[str(b)]['top1_agreement']:8.3f}" for b in BUDGETS)
+              + f"   {at['moved_tokens']:.3f} / {at['moved_chunks']:.3f}")
     print(write_result("ceiling", result))
     return result
+
+
+def mean_moved(shares: list[tuple[float, float]]) -> dict:
+    if not shares:  # no layer attended sparsely
+        return {"moved_tokens": None, "moved_chunks": None}
+    tokens, chunks = zip(*shares)
+    return {"moved_tokens": sum(tokens) / len(tokens), "moved_chunks": sum(chunks) / len(chunks)}
 
 
 if __name__ == "__main__":

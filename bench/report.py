@@ -109,8 +109,13 @@ def ceiling_rows(d: dict) -> list[tuple]:
     for name, budgets in d.get("oracles", {}).items():
         r = budgets.get("0.1", {})
         by = ", ".join(f"{c}: {fmt(v)}" for c, v in r.get("top1_by_context", {}).items())
-        rows.append((f"{name} @ 0.1 top1", r.get("top1_agreement"),
-                     f"exact top-k oracle (a ceiling, not a method); by context {by}"))
+        kind = ("key-sketch ranking (a method, Loki's)" if "sketch" in name
+                else "exact top-k oracle (a ceiling, not a method)")
+        moved = ""
+        if r.get("moved_tokens") is not None:
+            moved = (f"; brings {fmt(r['moved_tokens'])} of a sparse layer's tokens, "
+                     f"{fmt(r['moved_chunks'])} of its chunks")
+        rows.append((f"{name} @ 0.1 top1", r.get("top1_agreement"), f"{kind}; by context {by}{moved}"))
     return rows
 
 
@@ -137,9 +142,13 @@ def decode_rows(d: dict) -> list[tuple]:
         if "error" in c:
             rows.append((name, None, f"error: {c['error'][:60]}"))
             continue
+        device = ""
+        if c.get("device_budget") and cfg.get("kv_bytes"):
+            raised = " (raised after TierFullError)" if c.get("device_budget_raised_from") else ""
+            device = f", device tier {fmt(c['device_budget'] / cfg['kv_bytes'])} of the KV{raised}"
         rows.append((f"{name} top1", c.get("top1_agreement"),
                      f"{fmt(c.get('ms_per_token'))} ms/token, {fmt(c.get('disk_bytes_per_token', 0) / 1e6)} "
-                     f"MB disk/token, stall {fmt(c.get('stall_frac'))}"))
+                     f"MB disk/token, stall {fmt(c.get('stall_frac'))}{device}"))
     rows.append(("context", cfg.get("tokens"), f"{cfg.get('steps')} decode steps, device budget "
                  f"{fmt(cfg.get('device_budget_frac'))} / host {fmt(cfg.get('host_budget_frac'))} of the KV"))
     return rows

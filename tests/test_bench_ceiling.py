@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.ceiling import ORACLES, Oracle, OracleAttention
+from bench.ceiling import CHUNK, ORACLES, Oracle, OracleAttention, moved
 from tierkv.config import SelectConfig
 
 Q_HEADS, KV_HEADS, DIM = 6, 2, 16
@@ -114,3 +114,29 @@ def test_kv_head_oracle_chooses_for_each_kv_head_and_its_query_heads():
         kept = set(keep[0, head, 0].nonzero().flatten().tolist())
         assert len(kept) <= 8 and {0, 28, 29} <= kept
         assert (10 in kept) == (head < groups) and (20 in kept) == (head >= groups)
+
+
+def test_sketch_oracle_of_full_rank_keeps_each_heads_exact_top_tokens():
+    """A key sketch of full rank scores exactly: each head keeps its own top tokens, with the
+    sinks and the window always in."""
+    attention = OracleAttention((1,))
+    attention.oracle = Oracle("head", 1, False, DIM)
+    attention.select = SelectConfig(budget=9, sinks=2, window=3)
+    q, k, v = tensors(30)
+    keys = k.repeat_interleave(Q_HEADS // KV_HEADS, 1)
+    logits = (q @ keys.transpose(-1, -2))[0, :, 0]
+    keep = attention.kept(0, attention.sketch_scores(0, q, k), KV_HEADS)[0, :, 0]
+    forced = {0, 1, 27, 28, 29}
+    for head in range(Q_HEADS):
+        rest = logits[head, 2:27].topk(4).indices + 2
+        assert set(keep[head].nonzero().flatten().tolist()) == forced | set(rest.tolist())
+
+
+def test_moved_counts_the_tokens_and_chunks_some_head_keeps():
+    assert CHUNK == 8
+    n = 20  # chunks [0, 8), [8, 16), [16, 20)
+    keep = torch.zeros(1, 2, 1, n, dtype=torch.bool)
+    keep[0, 0, 0, [1, 2]] = True
+    keep[0, 1, 0, [2, 17]] = True
+    tokens, chunks = moved(keep, n)
+    assert tokens == pytest.approx(3 / 20) and chunks == pytest.approx(2 / 3)

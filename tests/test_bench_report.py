@@ -14,10 +14,13 @@ def fake_results() -> dict:
         "storage": {"machine": MACHINE, "raw_read_gbps": 1.5, "record_read_gbps": 1.2,
                     "read_ratio": 0.8, "write_ratio": 0.9},
         "decode": {"machine": MACHINE, "speedup_vs_full_memory": 0.5, "speedup_vs_brute_offload": 3.0,
-                   "disk_read_frac": 0.02, "config": {"tokens": 2048, "steps": 16,
+                   "disk_read_frac": 0.02, "config": {"tokens": 2048, "steps": 16, "kv_bytes": 1000,
                                                       "device_budget_frac": 0.05, "host_budget_frac": 0.2},
                    "cases": {"full_memory": {"ms_per_token": 10.0, "top1_agreement": 1.0,
                                              "disk_bytes_per_token": 0.0, "stall_frac": None},
+                             "tierkv": {"ms_per_token": 5.0, "top1_agreement": 0.9, "stall_frac": 0.1,
+                                        "disk_bytes_per_token": 1e6, "device_budget": 56,
+                                        "device_budget_raised_from": [50]},
                              "h2o": {"error": "TierFullError: boom"}}},
         "scale": {"machine": MACHINE, "sizes": {"16384": {"step_over_physical_bound": 1.7, "step_s": 0.2,
                                                           "step_over_cpu_bound": 1.25, "step_cpu_s": 0.32,
@@ -37,6 +40,8 @@ def test_render_rows_and_machine():
     assert "| storage | read ratio | 0.8 |" in table
     assert "| decode | speedup vs brute_offload | 3 |" in table
     assert "| decode | h2o | - | error: TierFullError: boom |" in table
+    assert "| decode | tierkv top1 | 0.9 | 5 ms/token, 1 MB disk/token, stall 0.1, device tier 0.056 " \
+           "of the KV (raised after TierFullError) |" in table
     assert "| scale | 16384 tok: step / physical bound | 1.7 |" in table
     assert "| scale | 16384 tok: brute / step | - | too big |" in table
     assert "| scale | 16384 tok: peak RSS GB | 4.83 | whole run of the size, torch included; target: " \
