@@ -237,10 +237,13 @@ def main(argv=None) -> dict:
         warm_up(model, tok, root)
         cases = {}
         cases["full_memory"], ref = full_memory_case(model, ids, steps)
+        print(f"full_memory: {cases['full_memory']['ms_per_token']:.1f} ms/token", flush=True)
         wanted = args.cases or ("brute_offload",) + SPARSE
         if "brute_offload" in wanted:
             cases["brute_offload"] = tiered_case(model, ids, ref, steps, "full", device, BRUTE_HOST,
                                                  root / "brute")
+            print(f"brute_offload: {cases['brute_offload'].get('ms_per_token', 'error')} ms/token",
+                  flush=True)
         for policy in (p for p in SPARSE if p in wanted):
             cases[policy] = tiered_case(model, ids, ref, steps, policy, device, host, root / policy)
             print(f"{policy}: {cases[policy].get('ms_per_token', 'error')} ms/token", flush=True)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import tierkv.kernels
-from tierkv.attention import DecodeAccumulator, decode_attention
+from tierkv.attention import DecodeAccumulator, causal_attention, decode_attention
 
 needs_native = pytest.mark.skipif(tierkv.kernels.decode_attend is None,
                                   reason="tierkv._native's kernels are not built or not for this CPU")
@@ -159,3 +159,39 @@ def test_the_kernels_refuse_what_they_do_not_take(g, d, kind):
         tierkv.kernels.decode_attend(0, 0, 0, 0, 0, 0, 1, g, 1, d, kind)
     with pytest.raises(ValueError, match="no kernel"):
         tierkv.kernels.bound_scores(0, 0, 0, 0, 1, 1, g, d, kind, 0.0)
+
+
+def _causal_reference(q, k, v, scaling):
+    """Causal attention in float64 over the whole (q_heads, t, n) score matrix, and each key's
+    attention mass summed over queries and the query heads of its GQA group."""
+    heads, t, _ = q.shape
+    kv_heads, n, _ = k.shape
+    group = heads // kv_heads
+    kk, vv = k.double().repeat_interleave(group, 0), v.double().repeat_interleave(group, 0)
+    scores = q.double() @ kk.transpose(1, 2) * scaling
+    rows = torch.arange(n - t, n).unsqueeze(1)
+    scores = scores.masked_fill(torch.arange(n).unsqueeze(0) > rows, float("-inf"))
+    probs = scores.softmax(-1)
+    return probs @ vv, probs.view(kv_heads, group, t, n).sum(dim=(1, 2))
+
+
+@pytest.mark.parametrize("expand_gqa", [None, True, False])
+@pytest.mark.parametrize("heads, kv_heads, t, n, block", [
+    (9, 3, 37, 37, 16),     # a prompt alone, blocks that do not divide it
+    (9, 3, 20, 75, 512),    # new tokens after 55 held ones, one block
+    (4, 4, 33, 100, 8),     # no GQA
+    (8, 2, 1, 30, 4),       # one token
+])
+def test_causal_attention_is_exact_in_blocks(heads, kv_heads, t, n, block, expand_gqa):
+    """Query-blocked causal attention equals the whole-matrix one, with the keys repeated for
+    their GQA group or passed to SDPA grouped, and its column mass (H2O's) is the same."""
+    gen = torch.Generator().manual_seed(heads * n + t)
+    q = torch.randn(heads, t, 16, generator=gen)
+    k, v = torch.randn(2, kv_heads, n, 16, generator=gen)
+    ref, ref_mass = _causal_reference(q, k, v, 0.25)
+    out, mass = causal_attention(q, k, v, 0.25, block, expand_gqa=expand_gqa)
+    assert mass is None
+    assert torch.allclose(out.double(), ref, atol=1e-5), (out.double() - ref).abs().max()
+    out, mass = causal_attention(q, k, v, 0.25, block, column_mass=True, expand_gqa=expand_gqa)
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+    assert torch.allclose(mass.double(), ref_mass, atol=1e-4)

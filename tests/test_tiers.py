@@ -112,13 +112,25 @@ def test_cuda_tiers(make_block, blocks_equal):
     assert device.get(key).keys.is_cuda and blocks_equal(device.get(key), make_block(key))
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_host_tier_keeps_big_blocks_pinned(blocks_equal):
+    """A pinned tier never puts a block in a memory map of its own: a map is pageable memory,
+    and a copy from it to the GPU could not run asynchronously."""
+    tier = HostTier("8MB")
+    key = RecordKey("doc", 0, 0, 64)
+    tier.put(key, _big(key))
+    assert tier.pin and tier._mapped == set()
+    assert tier.get(key).keys.is_pinned() and blocks_equal(tier.get(key), _big(key))
+
+
 def _big(key: RecordKey) -> KVBlock:
     """A block of 1 MiB: over host.MAPPED_MIN_BYTES."""
     return block_for(key, layers=2, kv_heads=8, head_dim=128)
 
 
 def test_host_maps_big_blocks(blocks_equal):
-    tier = HostTier("8MB")
+    tier = HostTier("8MB", pin=False)  # a pinned tier (the default with CUDA) never maps
     big, small = RecordKey("doc", 0, 0, 64), RecordKey("doc", 0, 64, 68)
     tier.put(big, _big(big))
     tier.put(small, block_for(small))
@@ -139,7 +151,7 @@ def test_host_maps_big_blocks(blocks_equal):
 
 def test_host_map_count_is_capped(monkeypatch, blocks_equal):
     monkeypatch.setattr(host, "MAX_MAPS", 1)
-    tier = HostTier("8MB")
+    tier = HostTier("8MB", pin=False)
     a, b = RecordKey("doc", 0, 0, 64), RecordKey("doc", 0, 64, 128)
     tier.put(a, _big(a))
     tier.put(b, _big(b))
