@@ -32,6 +32,7 @@ synchronisation, and the result goes to ``decode.gpu.json``, beside the CPU figu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import shutil
 import tempfile
@@ -50,29 +51,57 @@ SPARSE = ("quest", "leoam", "omnikv", "h2o", "razor", "tierkv")
 DEVICE_SHARE, HOST_SHARE, SELECT = 0.05, 0.20, 0.1
 CHUNKS = ChunkConfig()  # the default tree; ``--chunk-min`` changes it for a profiling run
 FETCH_UNIT = "record"  # SelectConfig.fetch_unit; ``--fetch-unit`` changes it for a profiling run
+PROFILE: Path | None = None  # ``--profile DIR``: torch.profiler over each case's decode steps
 BRUTE_HOST = 1_000_000
 PAIR_BLOCK = 8  # decode steps per turn when full_memory and tierkv alternate
 
 
 @torch.no_grad()
-def run_decode(model, cache, ids: torch.Tensor, ref: torch.Tensor | None, steps: int, on_prefill=None):
+def run_decode(model, cache, ids: torch.Tensor, ref: torch.Tensor | None, steps: int, on_prefill=None,
+               label: str | None = None):
     """Prefill ``ids``, then ``steps`` decode steps, each fed ``ref[i]`` (or, without ``ref``,
     its own greedy token). Returns (argmax after prefill and after each step (steps + 1,),
-    seconds per decode step (steps,))."""
+    seconds per decode step (steps,)). With ``--profile``, the steps of a ``label``led run are
+    profiled."""
     logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     preds = [logits[0, -1].argmax()]
     if on_prefill is not None:
         on_prefill()
     seconds = []
-    for i in range(steps):
-        token = (ref[i] if ref is not None else preds[-1]).view(1, 1)
-        sync(ids.device)
-        t0 = time.perf_counter()
-        logits = model(token, past_key_values=cache, use_cache=True).logits
-        preds.append(logits[0, -1].argmax())
-        sync(ids.device)
-        seconds.append(time.perf_counter() - t0)
+    with profiled(label):
+        for i in range(steps):
+            token = (ref[i] if ref is not None else preds[-1]).view(1, 1)
+            sync(ids.device)
+            t0 = time.perf_counter()
+            logits = model(token, past_key_values=cache, use_cache=True).logits
+            preds.append(logits[0, -1].argmax())
+            sync(ids.device)
+            seconds.append(time.perf_counter() - t0)
     return torch.stack(preds), seconds
+
+
+@contextlib.contextmanager
+def profiled(label: str | None):
+    """torch.profiler (CPU ops, and CUDA kernels and runtime calls on a GPU) over the block,
+    when ``--profile DIR`` is given and the run has a ``label``: ``DIR/<label>.txt`` (operators
+    by self CPU time, then by self device time) and ``DIR/<label>.trace.json`` (chrome://tracing).
+    The CUDA runtime calls (``cudaStreamSynchronize``, ``cudaHostAlloc``, ``cudaMemcpyAsync``)
+    show where a GPU step waits on the host."""
+    if PROFILE is None or label is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        yield
+    PROFILE.mkdir(parents=True, exist_ok=True)
+    averages = prof.key_averages()
+    tables = [averages.table(sort_by="self_cpu_time_total", row_limit=40)]
+    if torch.cuda.is_available():
+        tables.append(averages.table(sort_by="self_device_time_total", row_limit=25))
+    (PROFILE / f"{label}.txt").write_text("\n\n".join(tables))
+    prof.export_chrome_trace(str(PROFILE / f"{label}.trace.json"))
 
 
 @torch.no_grad()
@@ -129,7 +158,7 @@ def tiered_case(model, ids, ref, steps, policy, device, host, disk_dir: Path) ->
             drop_disk(cache)
             marks.update(stats_marks(cache.stats()))
         try:
-            preds, seconds = run_decode(model, cache, ids, ref, steps, on_prefill)
+            preds, seconds = run_decode(model, cache, ids, ref, steps, on_prefill, label=policy)
         except TierFullError as err:
             cache.close()
             if device >= kv:
@@ -174,7 +203,7 @@ def case_figures(preds, seconds, ref, steps) -> dict:
 
 
 def full_memory_case(model, ids, steps) -> tuple[dict, torch.Tensor]:
-    preds, seconds = run_decode(model, DynamicCache(), ids, None, steps)
+    preds, seconds = run_decode(model, DynamicCache(), ids, None, steps, label="full_memory")
     out = case_figures(preds, seconds, preds, steps)
     out.update({"disk_bytes_per_token": 0.0, "device_peak_bytes": None, "stall_frac": None})
     return out, preds
@@ -211,7 +240,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--fetch-unit", choices=("record", "leaf"),
                         help="with --cases: what omnikv/tierkv fill the budget with "
                              "(SelectConfig.fetch_unit, default record)")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="with --cases: profile each case's decode steps with torch.profiler "
+                             "into DIR/<case>.txt and DIR/<case>.trace.json")
     args = parser.parse_args(argv)
+    if args.profile is not None:
+        if not args.cases:
+            parser.error("--profile is a profiling option: give --cases too")
+        global PROFILE
+        PROFILE = args.profile
     if args.fetch_unit is not None:
         if not args.cases:
             parser.error("--fetch-unit is a profiling option: give --cases too")

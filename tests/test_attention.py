@@ -195,3 +195,21 @@ def test_causal_attention_is_exact_in_blocks(heads, kv_heads, t, n, block, expan
     out, mass = causal_attention(q, k, v, 0.25, block, column_mass=True, expand_gqa=expand_gqa)
     assert torch.allclose(out.double(), ref, atol=1e-5)
     assert torch.allclose(mass.double(), ref_mass, atol=1e-4)
+
+
+def test_blocks_that_keep_probabilities_stay_under_their_byte_cap(monkeypatch):
+    """With ``column_mass`` a block's fp32 scores stay within ``MASS_BLOCK_BYTES`` (here 3 rows
+    of 9 heads over 75 keys), and the result is the same."""
+    import tierkv.attention as attention
+
+    heads, kv_heads, t, n = 9, 3, 20, 75
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(heads, t, 16, generator=gen)
+    k, v = torch.randn(2, kv_heads, n, 16, generator=gen)
+    ref, ref_mass = _causal_reference(q, k, v, 0.25)
+    monkeypatch.setattr(attention, "MASS_BLOCK_BYTES", 4 * heads * n * 3)
+    probs, rows = attention._probs, []
+    monkeypatch.setattr(attention, "_probs", lambda qb, *a: rows.append(qb.shape[1]) or probs(qb, *a))
+    out, mass = causal_attention(q, k, v, 0.25, 512, column_mass=True)
+    assert rows == [3] * 6 + [2]
+    assert torch.allclose(out.double(), ref, atol=1e-5) and torch.allclose(mass.double(), ref_mass, atol=1e-4)

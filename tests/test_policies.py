@@ -230,17 +230,16 @@ def test_preselection_scores_at_least_its_floor_of_the_context(budget, candidate
     assert candidates - CHUNKS.base < tokens <= candidates
 
 
-@pytest.mark.parametrize("fetch_unit, fetched", [("record", 36), ("leaf", 54)])
+@pytest.mark.parametrize("fetch_unit", ["record", "leaf"])
 @pytest.mark.parametrize("room, candidates", [(200, 200), (0, 2 * 20)])
-def test_preselection_stays_within_the_device_room(room, candidates, fetch_unit, fetched):
-    """Candidates fit beside the widest selecting group's fetch and the windows, down to
-    PRESELECT_MIN_FACTOR x the budget. At 5 % of 1040 tokens the budget is 52 - 32 (window)
-    = 20 tokens, 36 for the selecting group (16 tokens unsealed), whose records bring up to
-    1.5 x that with leaf fetch units (LEAF_MOVE_FACTOR); the group's fetch takes 4 layers x
-    (fetched + 40 spare) tokens, the windows 6 x (32 + 8), 64 B a token and layer."""
+def test_preselection_stays_within_the_device_room(room, candidates, fetch_unit):
+    """Candidates fit beside the windows, down to PRESELECT_MIN_FACTOR x the budget. At 5 % of
+    1040 tokens the budget is 52 - 32 (window) = 20 tokens; the windows take 6 x (32 + 8) tokens,
+    64 B a token and layer. The selecting groups' fetches need no room beside them (whatever
+    the fetch unit): a filter layer's choice is fetched once its candidates are let go."""
     per_token = KVShape(6, KV, DIM).token_bytes(1)
     assert per_token == 64
-    tokens = preselected_tokens(0.05, (4 * (fetched + 40) + 6 * 40 + room) * per_token, fetch_unit)
+    tokens = preselected_tokens(0.05, (6 * 40 + room) * per_token, fetch_unit)
     assert candidates - CHUNKS.base < tokens <= candidates
 
 

@@ -10,13 +10,15 @@ import torch.nn.functional as F
 
 from . import kernels
 
+MASS_BLOCK_BYTES = 64 << 20  # fp32 scores of one query block when the probabilities are kept
+
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
                      block: int = 512, column_mass: bool = False, expand_gqa: bool | None = None):
     """Exact causal attention of ``t`` new queries over ``n >= t`` keys, one query block at a time.
 
-    Query ``i`` sits at position ``n - t + i`` and sees keys ``[0, n - t + i]``. Peak memory is one
-    block's scores, ``(q_heads, block, n)``, not ``(q_heads, t, n)``.
+    Query ``i`` sits at position ``n - t + i`` and sees keys ``[0, n - t + i]``. Peak memory is at
+    most one block's scores, ``(q_heads, block, n)``, not ``(q_heads, t, n)``.
 
     Parameters
     ----------
@@ -29,8 +31,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
         SDPA with ``enable_gqa`` and a mask falls back to its math kernel, which materialises the
         block's scores; measured on an H100 (torch 2.11) for one SmolLM2 layer (9 query heads,
         3 kv heads), the peak allocation was 244 / 421 / 1,671 MB at 4K / 8K / 32K tokens, and
-        41 / 81 / 318 MB with the keys repeated (same outputs up to 2e-6). On a CPU both run the
-        math kernel and the repeat only costs a copy.
+        41 / 81 / 318 MB with the keys repeated (same outputs up to 2e-6). On a CPU, SDPA's
+        own kernel does not materialise them (one 8K layer: 50 MB more peak RSS, where one
+        block's scores are 151 MB), and a repeat would only cost a copy.
+
+    With ``column_mass`` the probabilities are materialised, so blocks hold at most
+    ``MASS_BLOCK_BYTES`` of scores: one 32K-token SmolLM2 layer with 512-query blocks raised
+    the peak RSS by 1.9 GB.
 
     Returns
     -------
@@ -44,6 +51,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     repeat = heads // kv_heads if expand_gqa and heads != kv_heads else 1
     out = torch.empty_like(q)
     mass = torch.zeros(kv_heads, n, dtype=torch.float32, device=q.device) if column_mass else None
+    if column_mass:
+        block = max(1, min(block, MASS_BLOCK_BYTES // (4 * heads * n)))
     for b0 in range(0, t, block):
         b1 = min(t, b0 + block)
         stop = past + b1

@@ -475,3 +475,33 @@ def test_a_filter_layer_that_starts_preselecting_unpins_its_records(model_and_to
         for layer, first in zip(layers, firsts):
             assert cache.policy.preselects(cache, layer)
             assert ranks.importance(first) == cache.steps and first in cache.index_of(layer).keys
+
+
+@pytest.mark.parametrize("policy", ["omnikv", "tierkv"])
+def test_a_filter_layers_choice_is_fetched_once_its_own_records_are_let_go(model_and_tok,
+                                                                         passkey_cases, policy):
+    """The records a filter layer attended (its whole KV, or its preselected candidates) and the
+    chunks it chose for the layers after it never hold the device tier together: the choice's
+    prefetch is reserved right after the filter layer's attention, once its records are let go.
+    At 8K tokens and a device tier of 5 % of the KV, the two together did not fit."""
+    model, _ = model_and_tok
+    ids, _ = passkey_cases[3]
+    with TieredCache(model, TierConfig(device_budget="8MB", host_budget="1GB"), policy,
+                     select=SelectConfig(budget=0.1)) as cache:
+        tier = cache.store.device
+        filters = {cache.group_of[f] for f in cache.policy.filters}
+        chosen = {g for g, group in enumerate(cache.groups)
+                  if cache.policy.is_selecting(cache, group[0])}
+        reserve, seen = tier.reserve, []
+
+        def watched(tag, nbytes):
+            kind, group = tag.split(":")
+            if kind == "prefetch" and int(group) in chosen and nbytes:
+                held = {f: tier.reserved_for(f"fetch:{f}") for f in filters}
+                seen.append(held)
+            reserve(tag, nbytes)
+
+        tier.reserve = watched
+        generate(model, ids, cache, new=6)
+    assert chosen and len(seen) >= 5 * len(filters), seen  # every decode step's choices
+    assert all(not any(held.values()) for held in seen), seen

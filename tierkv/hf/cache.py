@@ -15,12 +15,11 @@ last layer of a group has done so, the group's chunks are sealed into the store 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from transformers import AttentionInterface, Cache
+from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin
 
 from ..config import ChunkConfig, SelectConfig, TierConfig
@@ -30,9 +29,9 @@ from ..shapes import KVShape
 from ..storage.base import KVBlock, TierFullError
 from ..storage.probe import read_bandwidth
 from ..storage.store import KVStore
-from .admit import (GenerateGuard, check_args, check_forward, claim_doc, on_model_device,
-                    sliding_window)
+from .admit import check_args, check_forward, claim_doc, on_model_device, sliding_window
 from .groups import Fetch, GroupIndex
+from .hooks import install, uninstall
 from .prefill import prefill_attention
 from .profile import check_profile, load_profile
 
@@ -135,6 +134,7 @@ class TieredCache(Cache):
         self._pending: list[list[KVBlock]] = [[] for _ in layers]
         self._fresh = [False] * self.shape.layers
         self._step: dict = {}
+        self._chosen: list[int] = []  # groups whose selection waits for the chooser's release
         self._in_forward = False  # a forward pass has begun and its last layer not yet attended
         self._failed: str | None = None  # what broke a forward pass part-way, if anything did
         self.steps = 0  # decode steps so far: the importance of what a step reads or seals
@@ -321,8 +321,12 @@ class TieredCache(Cache):
         return self._step.get(("select", group))
 
     def set_selection(self, group: int, fetch: Fetch) -> None:
+        """Record what a filter layer chose for ``group``; its prefetch starts right after the
+        choosing layer's attention, once that layer's own fetched records are let go (at 8K the
+        filter layer's preselected candidates and the 12 layers after it would otherwise hold
+        the device tier together)."""
         self._step[("select", group)] = fetch
-        self.prefetch(group, fetch)
+        self._chosen.append(group)
 
     def compact(self) -> int:
         """Rewrite records to match merged/split chunks (idle work, never on the decode path);
@@ -384,9 +388,13 @@ class TieredCache(Cache):
             self._window[layer] = (k[:, movable:].clone(), v[:, movable:].clone())
             self.reserve(f"window:{layer}", 2 * self._window[layer][0].nbytes)
         g = self.group_of[layer]
-        if layer == self.groups[g][-1]:
-            if self._step.pop(("fetch", g), None) is not None:
-                self.store.device.reserve(f"fetch:{g}", 0)
+        last = layer == self.groups[g][-1]
+        if last and self._step.pop(("fetch", g), None) is not None:
+            self.store.device.reserve(f"fetch:{g}", 0)
+        while self._chosen:
+            chosen = self._chosen.pop(0)
+            self.prefetch(chosen, self._step[("select", chosen)])
+        if last:
             self._seal(g)
             if decoding:
                 self._look_ahead((g + 1) % len(self.groups))
@@ -410,29 +418,10 @@ class TieredCache(Cache):
 
     # -- lifetime -----------------------------------------------------------------------
     def _install(self, model) -> None:
-        self._model = model
-        self._attn_name = f"tierkv_{id(self):x}"
-        AttentionInterface.register(self._attn_name, self._attention)
-        self._previous_attn = model.config._attn_implementation
-        model.set_attn_implementation(self._attn_name)
-        self._hooks = [model.get_input_embeddings().register_forward_pre_hook(self._record_ids)]
-        self._hooks.append(model.register_forward_pre_hook(self._begin_forward, with_kwargs=True))
-        self._hooks.append(GenerateGuard(model, self))  # so _uninstall undoes what was done
-        model._tierkv_cache = weakref.ref(self)
+        install(self, model)
 
     def _uninstall(self) -> None:
-        """Undo ``_install``, as far as it went."""
-        model, self._model = getattr(self, "_model", None), None
-        if model is None:
-            return
-        name = getattr(self, "_attn_name", None)
-        if name is not None and model.config._attn_implementation == name:
-            model.set_attn_implementation(self._previous_attn)
-        AttentionInterface._global_mapping.pop(name, None)
-        for hook in getattr(self, "_hooks", ()):
-            hook.remove()
-        if getattr(model, "_tierkv_cache", lambda: None)() is self:
-            model._tierkv_cache = lambda: None
+        uninstall(self)
 
     def _begin_forward(self, module, args, kwargs) -> None:
         """Refuse, before any layer runs, what the cache would attend wrongly

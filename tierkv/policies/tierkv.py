@@ -21,15 +21,18 @@ layer attends. Measured with ``bench.quality``'s contexts (2K/4K/8K, 64 teacher-
 each): at a 5 % budget, candidates of 4x (20 % of the context) gave top-1 agreement 0.719, 8x
 0.745 and the floor 0.755 (``omnikv``, scoring all of it: 0.771); at 10 %, all three gave 0.859.
 
-The candidates also stay within what the device tier holds beside the widest selecting group's
-fetch and every layer's recent window, down to ``PRESELECT_MIN_FACTOR`` x the budget: a device
-budget of 5 % of the KV leaves room for 20-25 % of a filter layer's context. Measured with
-``bench.decode``'s 8K case (device 5 % of the KV, 10 % budget, 64 steps): candidates of 40 % of
-the context needed a device budget of 6.1 % of the KV (raised after a TierFullError), 20 % fit
-in 5.0 %, at the same top-1 agreement (0.922) and with 22 % less read from disk.
+The candidates also stay within what the device tier holds beside every layer's recent window,
+down to ``PRESELECT_MIN_FACTOR`` x the budget. A filter layer's candidates and the chunks it
+chooses for the layers after it are never on the device together (``TieredCache.set_selection``
+fetches the choice once the candidates are let go), so a device tier of 5 % of the KV holds the
+whole 40 % at 8K. Measured with ``bench.decode --cases tierkv`` (8,128 tokens, device 5 % of the
+KV, 10 % budget, 64 steps, one process each): candidates held to what fit beside that fetch, as
+before (20 % of the context): top-1 agreement 0.828, 4.21 MB read from disk per token, 1.13x
+full memory in the paired run; the whole 40 %: 0.906, 7.36 MB, 0.90x. Before the fetch waited,
+the case needed a device tier of 5.6 % (candidates 33 %: 0.922, 5.62 MB, 1.00x).
 """
 from .base import register
-from .omnikv import LEAF_MOVE_FACTOR, OmniKV
+from .omnikv import OmniKV
 
 PRESELECT_FACTOR = 4
 PRESELECT_FLOOR = 0.4
@@ -63,13 +66,11 @@ class TierKV(OmniKV):
         return index.top_chunks(index.bound_scores(q[:, 0].cpu()), candidates, self.select.sinks)
 
     def device_room(self, cache, layer) -> int:
-        """Tokens of preselecting ``layer``'s group the device tier holds beside the widest
-        selecting group's fetch (its budget, ``LEAF_MOVE_FACTOR`` x with ``fetch_unit="leaf"``,
-        and the room for its window) and every layer's recent window (``spare_tokens`` each)."""
+        """Tokens of preselecting ``layer``'s group the device tier holds beside every layer's
+        recent window (``spare_tokens`` each). The selecting groups' fetches need no room beside
+        them: a filter layer's choice is fetched once its own candidates are let go
+        (``TieredCache.set_selection``)."""
         per_token = cache.shape.token_bytes(1)
         windows = sum(len(group) * cache.spare_tokens(g) for g, group in enumerate(cache.groups))
-        moved = LEAF_MOVE_FACTOR if self.select.fetch_unit == "leaf" else 1
-        widest = max((len(group) * (int(moved * self.budget(cache, g)) + cache.spare_tokens(g))
-                      for g, group in enumerate(cache.groups) if self._selects(group)), default=0)
-        free = cache.store.device.budget - (windows + widest) * per_token
+        free = cache.store.device.budget - windows * per_token
         return max(0, free) // cache.shape.token_bytes(len(cache.groups[cache.group_of[layer]]))
