@@ -268,6 +268,7 @@ class TieredCache(Cache):
             if kind == "fetch":
                 self.store.device.reserve(f"fetch:{group}", 0)
         self._step = prefetched
+        self._chosen.clear()  # only a forward pass that failed part-way leaves any
         self.steps += 1
         self.metrics.step_begin()
 
