@@ -1,17 +1,15 @@
 """TieredCache on the real model: exactness of the lossless path, budgets, retrieval, multi-turn."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from transformers import DynamicCache
 
 from tierkv import SelectConfig, TierConfig, TieredCache
-from tierkv.textgen import city_fact, make_document, passkey_fact, question_turn
+from tierkv.textgen import make_document
 
-from .common import LOGIT_ATOL, generate, saved_document
+from .common import LOGIT_ATOL, generate, saved_document, two_questions
 
 pytestmark = pytest.mark.integration
 
@@ -67,22 +65,10 @@ def test_passkey_retrieval(model_and_tok, passkey_cases, policy):
 @pytest.mark.parametrize("policy", ["tierkv", "full"])
 def test_two_questions_on_one_cache(model_and_tok, policy, tmp_path):
     model, tok = model_and_tok
-    rng = random.Random(7)
-    facts = [passkey_fact(rng), city_fact(rng)]
-    doc = make_document(tok, 900, 7, facts, depths=[0.3, 0.7])
     config = TierConfig(device_budget="8MB", host_budget="16MB", disk_dir=tmp_path)
     with TieredCache(model, config, policy) as cache:
-        context = torch.zeros(1, 0, dtype=torch.long)
-        for i, fact in enumerate(facts):
-            intro = (f"There is {facts[0].hint} and {facts[1].hint} hidden in the text below. "
-                     f"Find them and remember them.\n\n{doc}\n\n") if i == 0 else ""
-            turn = question_turn(tok, intro + fact.question, fact.answer_prefix)
-            new_ids = tok(turn, return_tensors="pt", add_special_tokens=False)["input_ids"]
-            ids = torch.cat([context, new_ids], dim=1)
-            with torch.no_grad():
-                out = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=cache)
-            assert fact.answer in tok.decode(out[0, ids.shape[1]:]), f"question {i}"
-            context = out
+        for i, (fact, answer) in enumerate(two_questions(model, tok, cache)):
+            assert fact.answer in answer, f"question {i}"
 
 
 def test_batch_and_close(model_and_tok):

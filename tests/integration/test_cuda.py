@@ -8,7 +8,6 @@ where a mix raises and where the device tier's bytes are real allocations.
 from __future__ import annotations
 
 import copy
-import random
 
 import pytest
 import torch
@@ -16,9 +15,9 @@ from transformers import DynamicCache
 
 from tierkv import SelectConfig, TierConfig, TieredCache
 from tierkv.shapes import KVShape
-from tierkv.textgen import city_fact, make_document, passkey_fact, question_turn
+from tierkv.textgen import make_document
 
-from .common import generate
+from .common import generate, two_questions
 
 pytestmark = [pytest.mark.integration, pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -89,22 +88,10 @@ def test_passkey_retrieval_on_the_gpu(gpu_model, passkey_cases):
 
 def test_two_questions_on_one_cache_on_the_gpu(gpu_model, tmp_path):
     model, tok = gpu_model
-    rng = random.Random(7)
-    facts = [passkey_fact(rng), city_fact(rng)]
-    doc = make_document(tok, 900, 7, facts, depths=[0.3, 0.7])
     config = TierConfig(device_budget="8MB", host_budget="16MB", disk_dir=tmp_path)
     with TieredCache(model, config, "tierkv") as cache:
-        context = torch.zeros(1, 0, dtype=torch.long, device=GPU)
-        for i, fact in enumerate(facts):
-            intro = (f"There is {facts[0].hint} and {facts[1].hint} hidden in the text below. "
-                     f"Find them and remember them.\n\n{doc}\n\n") if i == 0 else ""
-            turn = question_turn(tok, intro + fact.question, fact.answer_prefix)
-            new_ids = tok(turn, return_tensors="pt", add_special_tokens=False)["input_ids"]
-            ids = torch.cat([context, new_ids.to(GPU)], dim=1)
-            with torch.no_grad():
-                out = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=cache)
-            assert fact.answer in tok.decode(out[0, ids.shape[1]:]), f"question {i}"
-            context = out
+        for i, (fact, answer) in enumerate(two_questions(model, tok, cache, GPU)):
+            assert fact.answer in answer, f"question {i}"
 
 
 def test_gpu_memory_holds_a_fraction_of_the_kv(gpu_model):

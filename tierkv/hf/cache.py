@@ -392,9 +392,9 @@ class TieredCache(Cache):
         last = layer == self.groups[g][-1]
         if last and self._step.pop(("fetch", g), None) is not None:
             self.store.device.reserve(f"fetch:{g}", 0)
-        while self._chosen:
-            chosen = self._chosen.pop(0)
+        for chosen in self._chosen:
             self.prefetch(chosen, self._step[("select", chosen)])
+        self._chosen.clear()
         if last:
             self._seal(g)
             if decoding:
