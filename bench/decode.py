@@ -52,6 +52,7 @@ DEVICE_SHARE, HOST_SHARE, SELECT = 0.05, 0.20, 0.1
 CHUNKS = ChunkConfig()  # the default tree; ``--chunk-min`` changes it for a profiling run
 FETCH_UNIT = "record"  # SelectConfig.fetch_unit; ``--fetch-unit`` changes it for a profiling run
 PROFILE: Path | None = None  # ``--profile DIR``: torch.profiler over each case's decode steps
+FETCH_AHEAD: bool | None = None  # TieredCache.fetch_ahead; None: the cache's default (on on a GPU)
 BRUTE_HOST = 1_000_000
 PAIR_BLOCK = 8  # decode steps per turn when full_memory and tierkv alternate
 
@@ -136,8 +137,11 @@ def new_cache(model, policy: str, device: int, host: int, disk_dir: Path) -> Tie
     """A TieredCache over an emptied ``disk_dir`` with the bench's budgets and selection."""
     shutil.rmtree(disk_dir, ignore_errors=True)
     config = TierConfig(device_budget=device, host_budget=host, disk_dir=disk_dir)  # model's device
-    return TieredCache(model, config, policy, select=SelectConfig(budget=SELECT, fetch_unit=FETCH_UNIT),
-                       chunks=CHUNKS)
+    select = SelectConfig(budget=SELECT, fetch_unit=FETCH_UNIT)
+    cache = TieredCache(model, config, policy, select=select, chunks=CHUNKS)
+    if FETCH_AHEAD is not None:
+        cache.fetch_ahead = FETCH_AHEAD
+    return cache
 
 
 def drop_disk(cache: TieredCache) -> None:
@@ -166,7 +170,7 @@ def tiered_case(model, ids, ref, steps, policy, device, host, disk_dir: Path) ->
             retries.append(device)
             device = min(kv, raised(device, str(err)))
             continue
-        stats = cache.stats()
+        stats, fetch_ahead = cache.stats(), cache.fetch_ahead
         cache.close()
         end = stats_marks(stats)
         out = case_figures(preds, seconds, ref, steps)
@@ -175,6 +179,7 @@ def tiered_case(model, ids, ref, steps, policy, device, host, disk_dir: Path) ->
                     "stall_frac": ratio(end["stall"] - marks["stall"], end["step"] - marks["step"]),
                     "device_budget": device, "device_budget_raised_from": retries or None,
                     "host_budget": host, "device_budget_violated": stats["device_peak_bytes"] > device,
+                    "fetch_ahead": fetch_ahead,
                     "tier_bytes_end": {k: stats.get(f"{k}_bytes") for k in ("device", "host", "disk")}})
         return out
 
@@ -240,6 +245,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--fetch-unit", choices=("record", "leaf"),
                         help="with --cases: what omnikv/tierkv fill the budget with "
                              "(SelectConfig.fetch_unit, default record)")
+    parser.add_argument("--fetch-ahead", choices=("on", "off"),
+                        help="with --cases: TieredCache.fetch_ahead (default: on on a GPU, off "
+                             "on a CPU)")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="with --cases: profile each case's decode steps with torch.profiler "
                              "into DIR/<case>.txt and DIR/<case>.trace.json")
@@ -254,6 +262,11 @@ def main(argv=None) -> dict:
             parser.error("--fetch-unit is a profiling option: give --cases too")
         global FETCH_UNIT
         FETCH_UNIT = args.fetch_unit
+    if args.fetch_ahead is not None:
+        if not args.cases:
+            parser.error("--fetch-ahead is a profiling option: give --cases too")
+        global FETCH_AHEAD
+        FETCH_AHEAD = args.fetch_ahead == "on"
     if args.chunk_min is not None:
         if not args.cases:
             parser.error("--chunk-min is a profiling option: give --cases too")

@@ -27,7 +27,7 @@ def test_profiled_does_nothing_unasked(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv", [["--profile", "p"], ["--chunk-min", "4"],
-                                  ["--fetch-unit", "leaf"]])
+                                  ["--fetch-unit", "leaf"], ["--fetch-ahead", "on"]])
 def test_profiling_options_need_cases(argv, capsys):
     with pytest.raises(SystemExit):
         decode.main(argv)

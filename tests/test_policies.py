@@ -210,7 +210,8 @@ def preselecting_cache(index, device: int):
                            group_bytes=lambda layer: 1 << 20, index_of=lambda layer: index,
                            get_seq_length=lambda: 1040, shape=KVShape(6, KV, DIM), groups=groups,
                            group_of=[0, 1, 2, 2, 2, 2], indexes=[index] * 3,
-                           spare_tokens=lambda g: 32 + 8)  # window + record tokens
+                           spare_tokens=lambda g: 32 + 8,  # window + record tokens
+                           fetch_ahead=True)
 
 
 def preselected_tokens(budget: float, device: int, fetch_unit: str = "record") -> int:
@@ -261,6 +262,37 @@ def test_layers_before_the_first_filter_preselect_like_it(device, narrowed):
         assert 0 < int(index.tree.sizes[leaves].sum()) < index.sealed
     else:
         assert leaves is None
+
+
+def test_preselected_candidates_are_announced_from_the_last_query():
+    """With ``fetch_ahead``, a preselecting layer's fetch is known ahead once it has had a query:
+    the candidates that query ranks first. Its next fetch brings exactly those (they are on
+    their way), whatever its new query, which ranks the step after; context sealed in between
+    is ranked again."""
+    index, _ = index_over(1024, 8)
+    cache = preselecting_cache(index, 3 << 20)
+    select = SelectConfig(budget=0.05, filter_layers=(1,))
+    policy, fresh = (make_policy("tierkv", 6, select, CHUNKS, {}) for _ in range(2))
+    gen = torch.Generator().manual_seed(1)
+    q1, q2 = (torch.randn(2 * KV, 1, DIM, generator=gen) for _ in range(2))
+    assert policy.ahead(cache, 1) == (False, None)
+    first = policy.fetch(cache, 1, q1)
+    cache.fetch_ahead = False  # the cache's choice (a CPU's): the candidates wait for the query
+    assert policy.ahead(cache, 1) == (False, None)
+    cache.fetch_ahead = True
+    known, wanted = policy.ahead(cache, 1)
+    assert known and torch.equal(wanted, first)
+    assert torch.equal(policy.fetch(cache, 1, q2), first)
+    by_q2 = fresh.fetch(cache, 1, q2)
+    assert not torch.equal(by_q2, first)  # the two queries rank apart
+    assert torch.equal(policy.ahead(cache, 1)[1], by_q2)
+    index.add([(1024, 1032)], torch.randn(KV, 8, DIM, generator=gen))
+    known, wanted = policy.ahead(cache, 1)
+    assert known and torch.equal(wanted, make_policy("tierkv", 6, select, CHUNKS, {})._candidates(
+        cache, 1, q2[:, 0]))
+    # layers that do not preselect: a dense layer's whole KV is known ahead, a selecting one's not
+    assert make_policy("omnikv", 6, select, CHUNKS, {}).ahead(cache, 0) == (True, None)
+    assert policy.ahead(cache, 2) == (False, None)
 
 
 @pytest.mark.parametrize("name", ["omnikv", "tierkv"])

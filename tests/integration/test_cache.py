@@ -352,7 +352,9 @@ def test_a_device_budget_too_small_says_what_it_must_hold(model_and_tok):
                                                 r"raise the device budget"):
             with torch.no_grad():
                 model(ids, past_key_values=cache, use_cache=True)
-        assert "a smaller SelectConfig.budget, --budget, brings fewer" in cache._needs("fetch:0")
+    from tierkv.hf.admit import device_need
+
+    assert "a smaller SelectConfig.budget, --budget, brings fewer" in device_need("fetch:0", 1536)
 
 
 def test_continuing_without_the_cached_ids_is_named(model_and_tok):
@@ -435,6 +437,47 @@ def test_profiles_and_filter_layers_are_checked_against_the_model(model_and_tok,
         TieredCache(model, TierConfig(device_budget="8MB", host_budget="64MB"), policy, **kwargs)
     with TieredCache(model, TierConfig(device_budget="8MB", host_budget="64MB"), policy) as cache:
         assert cache.profile["filter_layers"] == [2, 12, 17]  # the model serves a cache again
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_preselecting_layers_fetch_while_earlier_layers_compute(model_and_tok, monkeypatch, ahead):
+    """With ``fetch_ahead`` (a GPU's default), once a preselecting layer has had a query, its
+    candidates (ranked by that query) start coming up before its next query: at the end of the
+    step before (layer 0), or while the layers before it compute; without, when its own query
+    arrives (a CPU's default)."""
+    from tierkv.pipeline.fetcher import Pipeline
+
+    model, tok = model_and_tok
+    ids = tok(make_document(tok, 1600, 3), return_tensors="pt")["input_ids"][:, :1400]
+    issued = []  # (layer decoding when a fetch was submitted, group)
+    current = {"layer": None}
+    real_submit, real_decode = Pipeline.submit, TieredCache._decode
+
+    def submit(self, plan):
+        issued.extend((current["layer"], fetch.group) for fetch in plan.groups)
+        return real_submit(self, plan)
+
+    def decode(self, layer, q, scaling):
+        current["layer"] = layer
+        return real_decode(self, layer, q, scaling)
+
+    monkeypatch.setattr(Pipeline, "submit", submit)
+    monkeypatch.setattr(TieredCache, "_decode", decode)
+    config = TierConfig(device_budget="6MB", host_budget="1GB")  # preselects past ~1020 tokens
+    with TieredCache(model, config, "tierkv") as cache, torch.no_grad():
+        assert cache.fetch_ahead is (cache.device.type == "cuda")
+        cache.fetch_ahead = ahead
+        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+        first = {cache.group_of[layer]: layer for layer in range(cache.shape.layers)
+                 if cache.policy.preselects(cache, layer)}
+        assert {0, 1, cache.group_of[cache.policy.filters[0]]} <= set(first)
+        issued.clear()
+        for _ in range(3):
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    fetches = [(layer, g) for layer, g in issued if g in first]
+    assert {g for _, g in fetches} == set(first)
+    assert all((layer != first[g]) is ahead for layer, g in fetches), fetches
 
 
 def test_a_filter_layer_that_starts_preselecting_unpins_its_records(model_and_tok):

@@ -126,3 +126,20 @@ def test_gpu_memory_holds_a_fraction_of_the_kv(gpu_model):
     print(f"\nGPU peak above the weights, {ids.shape[1]} tokens: plain {plain / 1e6:.1f} MB, "
           f"tierkv {tiered / 1e6:.1f} MB (KV {kv / 1e6:.1f} MB, device budget {budget / 1e6:.1f} MB)")
     assert tiered < plain, (tiered, plain, kv)
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_candidates_fetched_ahead_stay_within_the_budget(gpu_model, ahead):
+    """On a GPU a preselecting layer's candidates are fetched ahead by default (ranked by its
+    last query) while the layers before it compute; either way (ahead, or at their query), the
+    device tier never holds more than its budget."""
+    model, tok = gpu_model
+    ids = tok(make_document(tok, 1600, 3), return_tensors="pt")["input_ids"][:, :1400].to(GPU)
+    config = TierConfig(device_budget="6MB", host_budget="1GB")  # preselects past ~1020 tokens
+    with TieredCache(model, config, "tierkv") as cache:
+        assert cache.fetch_ahead
+        cache.fetch_ahead = ahead
+        out = generate(model, ids, cache, new=8)
+        assert all(cache.policy.preselects(cache, layer) for layer in (0, cache.policy.filters[0]))
+        assert cache.store.device.peak <= cache.store.device.budget
+    assert 0 < out.numel() <= 8 and out.device == ids.device

@@ -1,5 +1,6 @@
 """What a TieredCache checks and settles before it is built: its arguments, whether the model is
-one it can serve, the device its tiers follow, and the document it writes (held for its life).
+one it can serve, the device its tiers follow, and the document it writes (held for its life);
+and, when its device tier turns a reservation down, what that reservation was for.
 """
 from __future__ import annotations
 
@@ -179,3 +180,17 @@ class GenerateGuard:
         if self.wrapper is not None and \
                 self.model.__dict__.get("prepare_inputs_for_generation") is self.wrapper:
             del self.model.prepare_inputs_for_generation
+
+
+def device_need(tag: str, per_token: int) -> str:
+    """What the device tier holds under ``tag`` (a reservation's name), in words; ``per_token``
+    is one token's keys and values in one layer, in bytes."""
+    kind = tag.split(":")[0]
+    if kind == "prefill":
+        return (f"a prompt is prefilled one layer at a time, and the layer attending holds the "
+                f"keys and values of the whole sequence on the device ({per_token} B a token)")
+    if kind == "window":
+        return (f"every layer keeps its recent tokens on the device until they are sealed, "
+                f"a new prompt's whole during prefill ({per_token} B a token and layer)")
+    return ("a decode step brings each layer group's chosen chunks to the device beside the "
+            "recent windows (a smaller SelectConfig.budget, --budget, brings fewer)")

@@ -29,7 +29,8 @@ from ..shapes import KVShape
 from ..storage.base import KVBlock, TierFullError
 from ..storage.probe import read_bandwidth
 from ..storage.store import KVStore
-from .admit import check_args, check_forward, claim_doc, on_model_device, sliding_window
+from .admit import (check_args, check_forward, claim_doc, device_need, on_model_device,
+                    sliding_window)
 from .groups import Fetch, GroupIndex
 from .hooks import install, uninstall
 from .prefill import prefill_attention
@@ -79,6 +80,13 @@ class TieredCache(Cache):
     profile : the model's calibration profile (filter layers, retrieval heads); by default the
         profile shipped for the model, when there is one.
     prefill_block : query block size of the layer-wise prefill.
+
+    Attributes
+    ----------
+    fetch_ahead : whether fetches ranked by a layer's query of the last step (``Policy.ahead``:
+        ``tierkv``'s preselected candidates) start while the layers before it compute. On by
+        default where the device is a GPU, whose copies run beside the compute; off on a CPU,
+        where they take the cores the step computes on (``policies/tierkv.py``).
     """
 
     def __init__(self, model, config: TierConfig | None = None, policy: str = "tierkv", *,
@@ -125,6 +133,7 @@ class TieredCache(Cache):
         if controller is not None:  # prefill writes come before any read measures the disk
             controller.assume_disk(read_bandwidth(self.store.disk.path))
         self.device = self.store.device.device
+        self.fetch_ahead = self.device.type == "cuda"
         self.metrics = Metrics()
         self.pipeline = Pipeline(self.store, self.device, threads=min(config.io_threads, 4),
                                  metrics=self.metrics, groups=len(self.groups))
@@ -224,21 +233,9 @@ class TieredCache(Cache):
         try:
             self.pipeline.cache.reserve(tag, nbytes)
         except TierFullError as exc:
-            raise TierFullError(f"{exc}: {self._needs(tag)}; raise the device budget "
+            raise TierFullError(f"{exc}: {device_need(tag, self.shape.token_bytes(1))}; raise "
+                                "the device budget "
                                 "(TierConfig.device_budget, --device-budget)") from None
-
-    def _needs(self, tag: str) -> str:
-        """What the device tier holds under ``tag`` (a reservation's name), in words."""
-        kind = tag.split(":")[0]
-        per_token = self.shape.token_bytes(1)
-        if kind == "prefill":
-            return (f"a prompt is prefilled one layer at a time, and the layer attending holds the "
-                    f"keys and values of the whole sequence on the device ({per_token} B a token)")
-        if kind == "window":
-            return (f"every layer keeps its recent tokens on the device until they are sealed, "
-                    f"a new prompt's whole during prefill ({per_token} B a token and layer)")
-        return ("a decode step brings each layer group's chosen chunks to the device beside the "
-                "recent windows (a smaller SelectConfig.budget, --budget, brings fewer)")
 
     def _decode(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         if layer == 0:
@@ -358,19 +355,28 @@ class TieredCache(Cache):
 
     # -- sealing ------------------------------------------------------------------------
     def _look_ahead(self, g: int, early: bool = False) -> None:
-        """Prefetch group ``g`` when what it reads is known before its query (dense layers).
+        """Prefetch group ``g`` when what it reads is known before its query (``Policy.ahead``:
+        a dense layer's whole KV, ``tierkv``'s candidates ranked by the layer's last query).
 
         ``early``: the group before ``g`` has just been delivered and is about to compute; the
-        prefetch starts now only if the device tier has room for both (else it waits for the
-        end of that group, as usual), so its transfer hides behind a whole group's compute.
+        prefetch starts now only if the device tier has room for it beside what the recent
+        windows may still take this step (else it waits for the end of that group, as usual),
+        so its transfer hides behind a whole group's compute.
         """
-        first = self.groups[g][0]
-        if self.policy.dense(self, first):
-            spec = self.indexes[g].fetch(None)
-            if not early or self._room() >= self._fetch_bytes(g, spec):
+        known, wanted = self.policy.ahead(self, self.groups[g][0])
+        if known:
+            spec = self.indexes[g].fetch(wanted)
+            if not early or self._room() >= self._fetch_bytes(g, spec) + self._window_growth():
                 self.prefetch(g, spec)
         if g == 0 and not early:
             self.metrics.step_end()
+
+    def _window_growth(self) -> int:
+        """Device bytes the recent windows may still reserve before they are next cut: each
+        grows to at most ``spare_tokens`` of its group."""
+        per_token = self.shape.token_bytes(1)
+        return sum(max(0, self.spare_tokens(self.group_of[layer]) * per_token - k.nbytes - v.nbytes)
+                   for layer, (k, v) in enumerate(self._window))
 
     def _room(self) -> float:
         """Device-tier bytes a reservation could take now (free plus evictable cached records)."""

@@ -5,6 +5,8 @@ A policy is a small class with named hooks, found by name in ``REGISTRY``. The c
 - ``groups()``: the layer groups whose KV is stored together (one record serves one group);
 - ``fetch(cache, layer, q)``: the chunks of the layer's group to bring for this decode step
   (``None`` = every chunk);
+- ``ahead(cache, layer)``: that fetch when it is known before the layer's query, so that it can
+  start while earlier layers compute;
 - ``attend(cache, layer, q, k, v, positions, scaling)``: attention of the new token over what
   was fetched plus the recent window (default: plain attention over all of it);
 - ``observe_prefill(cache, layer, mass)``: the attention mass each key got during prefill,
@@ -137,6 +139,12 @@ class Policy:
     def dense(self, cache, layer: int) -> bool:
         """Whether ``layer`` reads all of its KV whatever its query (so it can be prefetched)."""
         return True
+
+    def ahead(self, cache, layer: int) -> tuple[bool, torch.Tensor | None]:
+        """``(known, wanted)``: whether ``layer``'s next ``fetch`` is known before its query
+        and, if so, what it will return (leaf indices, None for all). Default: a dense layer's,
+        all of its KV."""
+        return self.dense(cache, layer), None
 
     def attend(self, cache, layer, q, k, v, positions, scaling) -> torch.Tensor:
         return decode_attention(q, k, v, scaling)

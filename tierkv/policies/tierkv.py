@@ -30,7 +30,21 @@ KV, 10 % budget, 64 steps, one process each): candidates held to what fit beside
 before (20 % of the context): top-1 agreement 0.828, 4.21 MB read from disk per token, 1.13x
 full memory in the paired run; the whole 40 %: 0.906, 7.36 MB, 0.90x. Before the fetch waited,
 the case needed a device tier of 5.6 % (candidates 33 %: 0.922, 5.62 MB, 1.00x).
+
+The candidates depend on the query, so their fetch waited for it: at 8K on the CPU, 2 ms a step
+for each of layers 0 and 1 and 4 ms for each filter layer, 16 of the step's 20 ms of stall.
+With ``TieredCache.fetch_ahead`` they are ranked by the layer's query of the last step instead
+(``ahead``) and fetched while the layers before compute (layer 0's at the end of the step
+before). Measured on the 2-core CPU, ``bench.decode``'s 8K case (device 5 % of the KV, 64
+steps, two caches in one process decoding alternate blocks of 8 steps): the stall fell from
+0.29 of the step to 0.13-0.15 and top-1 agreement went from 0.906 to 0.922, but a step took
+longer, 144.5 ms against 139.5 and 152.9 against 144.4 in two runs: the copies ran on the cores
+the step computes on, instead of while it waited. With one compute thread (a core left to the
+copies), 131.1 against 134.2. So it is on by default only on a GPU, whose copies run beside
+the compute (a copy engine, and a packing thread on a many-core host); not yet measured there.
 """
+import torch
+
 from .base import register
 from .omnikv import OmniKV
 
@@ -55,15 +69,46 @@ class TierKV(OmniKV):
         budget = cache.store.device.budget
         return budget is not None and cache.group_bytes(layer) > budget // 4
 
+    def __init__(self, layers, select, chunks, profile):
+        super().__init__(layers, select, chunks, profile)
+        self._queries: dict[int, torch.Tensor] = {}  # layer -> its last decode query, CPU
+        self._ahead: dict[int, tuple[int, torch.Tensor]] = {}  # layer -> (sealed, candidates)
+
+    def ahead(self, cache, layer):
+        """With ``cache.fetch_ahead``, a preselecting layer's candidates are known before its
+        query: those its query of the last step ranks first (re-ranked when more context was
+        sealed since), so they are fetched while the layers before it compute."""
+        if not self.preselects(cache, layer):
+            return super().ahead(cache, layer)
+        query = self._queries.get(layer)
+        if query is None or not cache.fetch_ahead:
+            return False, None
+        sealed = cache.index_of(layer).sealed
+        held = self._ahead.get(layer)
+        if held is None or held[0] != sealed:
+            held = sealed, self._candidates(cache, layer, query)
+            self._ahead[layer] = held
+        return True, held[1]
+
     def preselect(self, cache, layer, q):
         if not self.preselects(cache, layer):
             return None
+        query = q[:, 0].cpu()
+        self._queries[layer] = query
+        held = self._ahead.pop(layer, None)
+        if held is not None and held[0] == cache.index_of(layer).sealed:
+            return held[1]  # announced by ``ahead``: being fetched
+        return self._candidates(cache, layer, query)
+
+    def _candidates(self, cache, layer, query):
+        """The leaves ``query`` (q_heads, head_dim) ranks first by their LKA bounds, as many as
+        the rule of this module's docstring allows."""
         index = cache.index_of(layer)
         budget = self.budget(cache)
         wanted = min(max(PRESELECT_FACTOR * budget, int(PRESELECT_FLOOR * index.sealed)),
                      self.device_room(cache, layer))
         candidates = max(PRESELECT_MIN_FACTOR * budget, wanted)
-        return index.top_chunks(index.bound_scores(q[:, 0].cpu()), candidates, self.select.sinks)
+        return index.top_chunks(index.bound_scores(query), candidates, self.select.sinks)
 
     def device_room(self, cache, layer) -> int:
         """Tokens of preselecting ``layer``'s group the device tier holds beside every layer's
