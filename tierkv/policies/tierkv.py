@@ -61,6 +61,11 @@ class TierKV(OmniKV):
     name = "tierkv"
     adaptive = True
 
+    def __init__(self, layers, select, chunks, profile):
+        super().__init__(layers, select, chunks, profile)
+        self._queries: dict[int, torch.Tensor] = {}  # layer -> its last decode query, CPU
+        self._ahead: dict[int, tuple[int, torch.Tensor]] = {}  # layer -> (sealed, candidates)
+
     def preselects(self, cache, layer):
         """Whether ``layer`` preselects: a filter layer, or one before the first (which
         ``omnikv`` reads whole), whose group's KV outgrows a quarter of the device tier."""
@@ -68,11 +73,6 @@ class TierKV(OmniKV):
             return False
         budget = cache.store.device.budget
         return budget is not None and cache.group_bytes(layer) > budget // 4
-
-    def __init__(self, layers, select, chunks, profile):
-        super().__init__(layers, select, chunks, profile)
-        self._queries: dict[int, torch.Tensor] = {}  # layer -> its last decode query, CPU
-        self._ahead: dict[int, tuple[int, torch.Tensor]] = {}  # layer -> (sealed, candidates)
 
     def ahead(self, cache, layer):
         """With ``cache.fetch_ahead``, a preselecting layer's candidates are known before its
