@@ -114,23 +114,56 @@ def paired_speed(model, plain, ids, ref, steps: int, policy: str, device: int, h
     the model for ``full_memory``: a live TieredCache routes ``model``'s attention through it."""
     full, tiered = DynamicCache(), new_cache(model, policy, device, host, disk_dir)
     try:
-        runs = (("full_memory", plain, full), (policy, model, tiered))
-        for _, net, cache in runs:
-            net(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        drop_disk(tiered)
-        seconds = {"full_memory": [], policy: []}
-        for start in range(0, steps, block):
-            for name, net, cache in runs:
-                for i in range(start, min(start + block, steps)):
-                    sync(ids.device)
-                    t0 = time.perf_counter()
-                    net(ref[i].view(1, 1), past_key_values=cache, use_cache=True)
-                    sync(ids.device)
-                    seconds[name].append(time.perf_counter() - t0)
+        ms = alternate([("full_memory", plain, full), (policy, model, tiered)], ids, ref, steps,
+                       block)["ms_per_token"]
     finally:
         tiered.close()
-    ms = {name: 1e3 * sum(s) / len(s) for name, s in seconds.items()}
     return {"ms_per_token": ms, "speedup": ms["full_memory"] / ms[policy], "block_steps": block}
+
+
+@torch.no_grad()
+def paired_ahead(models, ids, ref, steps: int, device: int, host: int, root: Path,
+                 block: int = PAIR_BLOCK) -> dict:
+    """``tierkv`` with ``TieredCache.fetch_ahead`` on and off, and ``full_memory``, decoded in
+    alternating blocks of ``block`` steps in one process (``--fetch-ahead both``): ms/token,
+    stall share and top-1 agreement of each. ``models``: three instances of the model."""
+    caches = []
+    try:
+        for ahead, model in zip((True, False), models):
+            caches.append(new_cache(model, "tierkv", device, host, root / f"ahead-{ahead}"))
+            caches[-1].fetch_ahead = ahead
+        runs = [("fetch_ahead_on", models[0], caches[0]), ("fetch_ahead_off", models[1], caches[1]),
+                ("full_memory", models[2], DynamicCache())]
+        out = alternate(runs, ids, ref, steps, block)
+        out["stall_frac"] = {name: cache.stats()["pipeline_total"]["stall_frac"]
+                             for (name, _, _), cache in zip(runs, caches)}
+    finally:
+        for cache in caches:
+            cache.close()
+    return {**out, "block_steps": block}
+
+
+def alternate(runs, ids, ref, steps: int, block: int) -> dict:
+    """Prefill ``ids`` into each of ``runs`` (name, model, cache) (a TieredCache's disk pages
+    dropped after), then feed each ``ref[i]`` for ``steps`` steps, ``block`` steps per turn:
+    ms/token and top-1 agreement with ``ref[i + 1]`` per name."""
+    for _, net, cache in runs:
+        net(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if isinstance(cache, TieredCache):
+            drop_disk(cache)
+    seconds = {name: [] for name, _, _ in runs}
+    agree = {name: 0 for name, _, _ in runs}
+    for start in range(0, steps, block):
+        for name, net, cache in runs:
+            for i in range(start, min(start + block, steps)):
+                sync(ids.device)
+                t0 = time.perf_counter()
+                logits = net(ref[i].view(1, 1), past_key_values=cache, use_cache=True).logits
+                sync(ids.device)
+                seconds[name].append(time.perf_counter() - t0)
+                agree[name] += int(logits[0, -1].argmax() == ref[i + 1])
+    return {"ms_per_token": {name: 1e3 * sum(s) / len(s) for name, s in seconds.items()},
+            "top1_agreement": {name: hits / steps for name, hits in agree.items()}}
 
 
 def new_cache(model, policy: str, device: int, host: int, disk_dir: Path) -> TieredCache:
@@ -245,9 +278,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--fetch-unit", choices=("record", "leaf"),
                         help="with --cases: what omnikv/tierkv fill the budget with "
                              "(SelectConfig.fetch_unit, default record)")
-    parser.add_argument("--fetch-ahead", choices=("on", "off"),
+    parser.add_argument("--fetch-ahead", choices=("on", "off", "both"),
                         help="with --cases: TieredCache.fetch_ahead (default: on on a GPU, off "
-                             "on a CPU)")
+                             "on a CPU); both: with --cases tierkv, also decode tierkv with it "
+                             "on and off and full_memory in alternating blocks, in one process")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="with --cases: profile each case's decode steps with torch.profiler "
                              "into DIR/<case>.txt and DIR/<case>.trace.json")
@@ -265,8 +299,10 @@ def main(argv=None) -> dict:
     if args.fetch_ahead is not None:
         if not args.cases:
             parser.error("--fetch-ahead is a profiling option: give --cases too")
+        if args.fetch_ahead == "both" and "tierkv" not in args.cases:
+            parser.error("--fetch-ahead both compares tierkv's runs: give --cases tierkv")
         global FETCH_AHEAD
-        FETCH_AHEAD = args.fetch_ahead == "on"
+        FETCH_AHEAD = {"on": True, "off": False}.get(args.fetch_ahead)
     if args.chunk_min is not None:
         if not args.cases:
             parser.error("--chunk-min is a profiling option: give --cases too")
@@ -297,13 +333,20 @@ def main(argv=None) -> dict:
         for policy in (p for p in SPARSE if p in wanted):
             cases[policy] = tiered_case(model, ids, ref, steps, policy, device, host, root / policy)
             print(f"{policy}: {cases[policy].get('ms_per_token', 'error')} ms/token", flush=True)
-        paired = None
+        paired = compared = None
         if "tierkv" in cases and "error" not in cases["tierkv"]:
             plain, _ = load_model("smollm2-135m", device=str(bench_device()))
             paired = paired_speed(model, plain, ids, ref, steps, "tierkv",
                                   cases["tierkv"]["device_budget"], host, root / "paired")
             del plain
             print(f"paired: {paired}", flush=True)
+        if args.fetch_ahead == "both":
+            models = [model] + [load_model("smollm2-135m", device=str(bench_device()))[0]
+                                for _ in range(2)]
+            compared = paired_ahead(models, ids, ref, steps, cases["tierkv"]["device_budget"],
+                                    host, root)
+            del models
+            print(f"fetch_ahead: {compared}", flush=True)
         again, _ = full_memory_case(model, ids, steps)
         runs = [cases["full_memory"]["ms_per_token"], again["ms_per_token"]]
         cases["full_memory"].update({"ms_per_token": sum(runs) / 2, "ms_per_token_runs": runs})
@@ -313,7 +356,7 @@ def main(argv=None) -> dict:
     print(f"full_memory: {runs[0]:.1f} then {runs[1]:.1f} ms/token (drift {drift:.3f})")
     if args.cases:
         print_table(cases)
-        return {"cases": cases}
+        return {"cases": cases, "fetch_ahead": compared}
     tk, full, brute = cases["tierkv"], cases["full_memory"], cases["brute_offload"]
     ok = "error" not in tk
     result = {"config": {"tokens": tokens, "steps": steps, "model": "smollm2-135m",

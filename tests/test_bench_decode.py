@@ -2,6 +2,8 @@
 TierFullError."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -32,6 +34,36 @@ def test_profiling_options_need_cases(argv, capsys):
     with pytest.raises(SystemExit):
         decode.main(argv)
     assert "give --cases too" in capsys.readouterr().err
+
+
+def test_comparing_fetch_ahead_needs_the_tierkv_case(capsys):
+    with pytest.raises(SystemExit):
+        decode.main(["--cases", "quest", "--fetch-ahead", "both"])
+    assert "give --cases tierkv" in capsys.readouterr().err
+
+
+def test_alternate_runs_blocks_in_turn_and_scores_each_run():
+    """Each run is prefilled, then fed the reference tokens ``block`` steps at a time, the runs
+    taking turns; a run's agreement is the share of steps whose argmax is the next token."""
+    calls = []
+
+    def net_of(name, guess):
+        def net(ids, past_key_values=None, **kwargs):
+            calls.append((name, ids.numel()))
+            logits = torch.zeros(1, 1, 10)
+            logits[0, -1, guess(int(ids[0, -1]))] = 1.0
+            return SimpleNamespace(logits=logits)
+        return net
+
+    ref = torch.arange(6)
+    runs = [("right", net_of("right", lambda t: t + 1), None),
+            ("wrong", net_of("wrong", lambda t: 0), None)]
+    out = decode.alternate(runs, torch.zeros(1, 3, dtype=torch.long), ref, steps=5, block=2)
+    assert [name for name, n in calls if n == 3] == ["right", "wrong"]  # the prefills
+    assert [name for name, n in calls if n == 1] == ["right"] * 2 + ["wrong"] * 2 + ["right"] * 2 \
+        + ["wrong"] * 2 + ["right", "wrong"]
+    assert out["top1_agreement"] == {"right": 1.0, "wrong": 0.0}
+    assert set(out["ms_per_token"]) == {"right", "wrong"}
 
 
 def test_a_tier_full_error_raises_the_budget_by_its_shortfall_or_a_tenth():

@@ -36,10 +36,11 @@ for each of layers 0 and 1 and 4 ms for each filter layer, 16 of the step's 20 m
 With ``TieredCache.fetch_ahead`` they are ranked by the layer's query of the last step instead
 (``ahead``) and fetched while the layers before compute (layer 0's at the end of the step
 before). Measured on the 2-core CPU, ``bench.decode``'s 8K case (device 5 % of the KV, 64
-steps, two caches in one process decoding alternate blocks of 8 steps): the stall fell from
-0.29 of the step to 0.13-0.15 and top-1 agreement went from 0.906 to 0.922, but a step took
-longer, 144.5 ms against 139.5 and 152.9 against 144.4 in two runs: the copies ran on the cores
-the step computes on, instead of while it waited. With one compute thread (a core left to the
+steps, caches in one process decoding alternate blocks of 8 steps; ``bench.decode --cases
+tierkv --fetch-ahead both``): the stall fell from 0.29-0.30 of the step to 0.12-0.15 and top-1
+agreement went from 0.906 to 0.922, but a step took longer, 172.4 ms against 168.9 (that
+command), 144.5 against 139.5 and 152.9 against 144.4 (two runs of the same comparison by a
+script): the copies ran on the cores the step computes on, instead of while it waited. With one compute thread (a core left to the
 copies), 131.1 against 134.2. So it is on by default only on a GPU, whose copies run beside
 the compute (a copy engine, and a packing thread on a many-core host); not yet measured there.
 """
