@@ -95,17 +95,12 @@ def test_sampling_runs(model_and_tok, passkey_cases):
     assert out.shape[1] == ids.shape[1] + 5
 
 
-@pytest.mark.parametrize("early", [True, False])
-def test_dense_group_prefetch_starts_a_group_early_when_it_fits(model_and_tok, passkey_cases,
-                                                                 monkeypatch, early):
-    """With room on the device, a dense group's fetch starts when the group before it is
-    delivered (hidden behind that whole group); without room, after that group, as before."""
-    model, _ = model_and_tok
-    ids, _ = passkey_cases[0]
+def submissions(monkeypatch) -> list[tuple[int | None, int]]:
+    """Spy on the pipeline: the list it returns fills with (layer decoding when a fetch was
+    submitted, the fetch's layer group), one entry per group of each plan submitted."""
     from tierkv.pipeline.fetcher import Pipeline
 
-    issued = []  # (layer attending when a fetch was submitted, group)
-    current = {"layer": None}
+    issued, current = [], {"layer": None}
     real_submit, real_decode = Pipeline.submit, TieredCache._decode
 
     def submit(self, plan):
@@ -118,6 +113,17 @@ def test_dense_group_prefetch_starts_a_group_early_when_it_fits(model_and_tok, p
 
     monkeypatch.setattr(Pipeline, "submit", submit)
     monkeypatch.setattr(TieredCache, "_decode", decode)
+    return issued
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_dense_group_prefetch_starts_a_group_early_when_it_fits(model_and_tok, passkey_cases,
+                                                                 monkeypatch, early):
+    """With room on the device, a dense group's fetch starts when the group before it is
+    delivered (hidden behind that whole group); without room, after that group, as before."""
+    model, _ = model_and_tok
+    ids, _ = passkey_cases[0]
+    issued = submissions(monkeypatch)
     if not early:  # as if the device tier had no room to spare
         monkeypatch.setattr(TieredCache, "_room", lambda self: 0)
     config = TierConfig(device_budget="64MB", host_budget="1GB")
@@ -445,24 +451,9 @@ def test_preselecting_layers_fetch_while_earlier_layers_compute(model_and_tok, m
     candidates (ranked by that query) start coming up before its next query: at the end of the
     step before (layer 0), or while the layers before it compute; without, when its own query
     arrives (a CPU's default)."""
-    from tierkv.pipeline.fetcher import Pipeline
-
     model, tok = model_and_tok
     ids = tok(make_document(tok, 1600, 3), return_tensors="pt")["input_ids"][:, :1400]
-    issued = []  # (layer decoding when a fetch was submitted, group)
-    current = {"layer": None}
-    real_submit, real_decode = Pipeline.submit, TieredCache._decode
-
-    def submit(self, plan):
-        issued.extend((current["layer"], fetch.group) for fetch in plan.groups)
-        return real_submit(self, plan)
-
-    def decode(self, layer, q, scaling):
-        current["layer"] = layer
-        return real_decode(self, layer, q, scaling)
-
-    monkeypatch.setattr(Pipeline, "submit", submit)
-    monkeypatch.setattr(TieredCache, "_decode", decode)
+    issued = submissions(monkeypatch)
     config = TierConfig(device_budget="6MB", host_budget="1GB")  # preselects past ~1020 tokens
     with TieredCache(model, config, "tierkv") as cache, torch.no_grad():
         assert cache.fetch_ahead is (cache.device.type == "cuda")
