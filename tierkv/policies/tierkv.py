@@ -40,9 +40,11 @@ steps, caches in one process decoding alternate blocks of 8 steps; ``bench.decod
 tierkv --fetch-ahead both``): the stall fell from 0.29-0.30 of the step to 0.12-0.15 and top-1
 agreement went from 0.906 to 0.922, but a step took longer, 172.4 ms against 168.9 (that
 command), 144.5 against 139.5 and 152.9 against 144.4 (two runs of the same comparison by a
-script): the copies ran on the cores the step computes on, instead of while it waited. With one compute thread (a core left to the
-copies), 131.1 against 134.2. So it is on by default only on a GPU, whose copies run beside
-the compute (a copy engine, and a packing thread on a many-core host); not yet measured there.
+script): the copies ran on the cores the step computes on, instead of while it waited. With
+one compute thread (a core left to the copies), 131.1 against 134.2, both slower than 2
+threads without it (148.9 against 140.2 in one run). So it is on by default only on a GPU,
+whose copies run beside the compute (a copy engine, and a packing thread on a many-core host);
+not yet measured there.
 """
 import torch
 
