@@ -71,14 +71,21 @@ def run_decode(model, cache, ids: torch.Tensor, ref: torch.Tensor | None, steps:
     seconds = []
     with profiled(label):
         for i in range(steps):
-            token = (ref[i] if ref is not None else preds[-1]).view(1, 1)
-            sync(ids.device)
-            t0 = time.perf_counter()
-            logits = model(token, past_key_values=cache, use_cache=True).logits
+            token = ref[i] if ref is not None else preds[-1]
+            logits, took = timed_step(model, cache, token)
             preds.append(logits[0, -1].argmax())
-            sync(ids.device)
-            seconds.append(time.perf_counter() - t0)
+            seconds.append(took)
     return torch.stack(preds), seconds
+
+
+def timed_step(model, cache, token: torch.Tensor):
+    """One decode step fed ``token`` (a 0-d id): (logits, seconds), the device synchronised on
+    both sides."""
+    sync(token.device)
+    t0 = time.perf_counter()
+    logits = model(token.view(1, 1), past_key_values=cache, use_cache=True).logits
+    sync(token.device)
+    return logits, time.perf_counter() - t0
 
 
 @contextlib.contextmanager
@@ -156,11 +163,8 @@ def alternate(runs, ids, ref, steps: int, block: int) -> dict:
     for start in range(0, steps, block):
         for name, net, cache in runs:
             for i in range(start, min(start + block, steps)):
-                sync(ids.device)
-                t0 = time.perf_counter()
-                logits = net(ref[i].view(1, 1), past_key_values=cache, use_cache=True).logits
-                sync(ids.device)
-                seconds[name].append(time.perf_counter() - t0)
+                logits, took = timed_step(net, cache, ref[i])
+                seconds[name].append(took)
                 agree[name] += int(logits[0, -1].argmax() == ref[i + 1])
     return {"ms_per_token": {name: 1e3 * sum(s) / len(s) for name, s in seconds.items()},
             "top1_agreement": {name: hits / steps for name, hits in agree.items()}}
@@ -340,13 +344,13 @@ def main(argv=None) -> dict:
                                   cases["tierkv"]["device_budget"], host, root / "paired")
             del plain
             print(f"paired: {paired}", flush=True)
-        if args.fetch_ahead == "both":
-            models = [model] + [load_model("smollm2-135m", device=str(bench_device()))[0]
-                                for _ in range(2)]
-            compared = paired_ahead(models, ids, ref, steps, cases["tierkv"]["device_budget"],
-                                    host, root)
-            del models
-            print(f"fetch_ahead: {compared}", flush=True)
+            if args.fetch_ahead == "both":
+                models = [model] + [load_model("smollm2-135m", device=str(bench_device()))[0]
+                                    for _ in range(2)]
+                compared = paired_ahead(models, ids, ref, steps, cases["tierkv"]["device_budget"],
+                                        host, root)
+                del models
+                print(f"fetch_ahead: {compared}", flush=True)
         again, _ = full_memory_case(model, ids, steps)
         runs = [cases["full_memory"]["ms_per_token"], again["ms_per_token"]]
         cases["full_memory"].update({"ms_per_token": sum(runs) / 2, "ms_per_token_runs": runs})
