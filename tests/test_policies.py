@@ -7,6 +7,7 @@ import torch
 from tierkv.config import ChunkConfig, SelectConfig
 from tierkv.hf.groups import GroupIndex
 from tierkv.policies import Policy, make_policy
+from tierkv.policies import tierkv as tierkv_policy
 from tierkv.shapes import KVShape
 from tierkv.tree import SplitRequest
 
@@ -264,11 +265,12 @@ def test_layers_before_the_first_filter_preselect_like_it(device, narrowed):
         assert leaves is None
 
 
-def test_preselected_candidates_are_announced_from_the_last_query():
+def test_preselected_candidates_are_announced_from_the_last_query(monkeypatch):
     """With ``fetch_ahead``, a preselecting layer's fetch is known ahead once it has had a query:
     the candidates that query ranks first. Its next fetch brings exactly those (they are on
     their way), whatever its new query, which ranks the step after; context sealed in between
-    is ranked again."""
+    is ranked again. (Ranked by the query alone here: the leaves fetched last are not favoured.)"""
+    monkeypatch.setattr(tierkv_policy, "PRESELECT_STICKINESS", 0.0)
     index, _ = index_over(1024, 8)
     cache = preselecting_cache(index, 3 << 20)
     select = SelectConfig(budget=0.05, filter_layers=(1,))
@@ -293,6 +295,30 @@ def test_preselected_candidates_are_announced_from_the_last_query():
     # layers that do not preselect: a dense layer's whole KV is known ahead, a selecting one's not
     assert make_policy("omnikv", 6, select, CHUNKS, {}).ahead(cache, 0) == (True, None)
     assert policy.ahead(cache, 2) == (False, None)
+
+
+def test_preselected_candidates_change_little_from_step_to_step():
+    """A preselecting layer ranks the leaves it fetched at its last step ``PRESELECT_STICKINESS``
+    x the leaves higher: a query close to the last one keeps more of the candidates (fewer come
+    from disk) than ranking by it alone would, and a query that ranks the leaves anew still
+    changes them."""
+    index, _ = index_over(1024, 8)
+    cache = preselecting_cache(index, 3 << 20)
+    cache.fetch_ahead = False
+    select = SelectConfig(budget=0.05, filter_layers=(1,))
+    gen = torch.Generator().manual_seed(2)
+    q1 = torch.randn(2 * KV, 1, DIM, generator=gen)
+    near = q1 + 0.7 * torch.randn(2 * KV, 1, DIM, generator=gen)
+    for q2, kept_at_least in ((near, 0.75), (-q1, 0.0)):
+        sticky, fresh = (make_policy("tierkv", 6, select, CHUNKS, {}) for _ in range(2))
+        first = set(sticky.fetch(cache, 1, q1).tolist())
+        by_query = set(fresh.fetch(cache, 1, q2).tolist())
+        second = set(sticky.fetch(cache, 1, q2).tolist())
+        assert len(second & first) >= max(len(by_query & first), kept_at_least * len(first))
+        assert second != first
+        if kept_at_least:
+            assert len(second & first) > len(by_query & first)
+    assert tierkv_policy.PRESELECT_STICKINESS > 0
 
 
 @pytest.mark.parametrize("name", ["omnikv", "tierkv"])

@@ -38,6 +38,7 @@ from .profile import check_profile, load_profile
 
 # Records of groups read whole every step rank above any step number: the host keeps them; the
 # others rank by the last step that read or sealed them, so the host caches what decode reads.
+# (What this leaves to disk: ``storage/ranking.py``.)
 PINNED = 2.0 ** 60
 
 
