@@ -25,6 +25,7 @@ its own from the prefill (accumulated attention) that a saved document does not 
 prefills every prompt itself.
 
     python -m bench.quality [--quick]   ->  bench/results/quality.json
+    python -m bench.quality --policies tierkv omnikv   (printed only: the saved result is whole)
 """
 from __future__ import annotations
 
@@ -247,7 +248,10 @@ def table(results: dict) -> str:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one 2K context, 32 tokens, 3 pass-key cases")
+    parser.add_argument("--policies", nargs="+", choices=POLICIES,
+                        help="run only these policies; the table is printed, not saved")
     args = parser.parse_args(argv)
+    policies = tuple(p for p in POLICIES if p in (args.policies or POLICIES))
     random.seed(0)
     torch.manual_seed(0)
     contexts, n_cont, n_cases = ((2048,), 32, 3) if args.quick else ((2048, 4096, 8192), 64, 10)
@@ -262,15 +266,18 @@ def main(argv=None) -> dict:
                  for ctx, cont in (continuation_case(tok, c, n_cont, seed=c) for c in contexts)]
         cases = passkey_cases(tok, n_cases)
         prefills = Prefills(model, Path(root))
-        for policy in POLICIES:
+        for policy in policies:
             result["policies"][policy] = run_policy(model, tok, policy, texts, cases, prefills)
             wall = time.perf_counter() - started
             print(f"{policy} at {wall:.0f} s: {json.dumps(result['policies'][policy])}", flush=True)
+            if args.policies:
+                continue
             # written after each policy: a long (full) run keeps what it has measured so far
             result.update(complete=policy == POLICIES[-1], wall_s=round(wall, 1))
             path = write_result("quality", result)
     print(table(result["policies"]))
-    print(path)
+    if not args.policies:
+        print(path)
     return result
 
 

@@ -49,3 +49,11 @@ def test_table_shows_errors_and_figures():
                   "razor": {str(b): {"error": "boom"} for b in BUDGETS}})
     assert "0.900" in text and "12.5" in text
     assert text.splitlines()[-1].count("error") == len(BUDGETS)
+
+
+def test_policies_option_rejects_an_unknown_policy_before_loading_a_model(capsys):
+    from bench.quality import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--policies", "tierkv", "nosuch"])
+    assert exit_info.value.code == 2
+    assert "nosuch" in capsys.readouterr().err

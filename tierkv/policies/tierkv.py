@@ -65,6 +65,15 @@ stickiness  disk MB / token  stall       top-1  speed vs full memory
 ==========  ===============  ==========  =====  ==========================
 
 Top-1 agreement is over 64 tokens (one token is 0.016).
+
+With the candidates sticky, the 40 % they ask for is what keeps that agreement: in one process
+decoding alternate blocks of 8 steps (same case, 2026-11-27), ``PRESELECT_FACTOR`` 4 / 3 / 2 (no
+floor) gave top-1 0.969 / 0.922 / 0.906, 3.79 / 2.31 / 1.42 MB read from disk a token and 174 /
+160 / 155 ms a token (full memory: 208). The chunks a filter layer chooses for the layers after
+it were made sticky the same way too (a chunk chosen at the last step counted 1.5x denser): disk
+reads fell from 3.91 to 3.28 MB a token (2.96 at 2x), but a step was no faster (149.6 against
+142.6 ms in a paired run; top-1 0.969 either way) and ``bench.quality``'s top-1 at 5 / 10 / 25 %
+went from 0.745 / 0.859 / 0.906 to 0.755 / 0.849 / 0.901: not kept.
 """
 import torch
 
