@@ -270,11 +270,9 @@ def main(argv=None) -> dict:
             result["policies"][policy] = run_policy(model, tok, policy, texts, cases, prefills)
             wall = time.perf_counter() - started
             print(f"{policy} at {wall:.0f} s: {json.dumps(result['policies'][policy])}", flush=True)
-            if args.policies:
-                continue
-            # written after each policy: a long (full) run keeps what it has measured so far
-            result.update(complete=policy == POLICIES[-1], wall_s=round(wall, 1))
-            path = write_result("quality", result)
+            if not args.policies:  # written after each policy: a cut-short run keeps the rest
+                result.update(complete=policy == POLICIES[-1], wall_s=round(wall, 1))
+                path = write_result("quality", result)
     print(table(result["policies"]))
     if not args.policies:
         print(path)
