@@ -12,7 +12,7 @@ import torch
 from dicttier import DictTier
 from tierkv.pipeline import (FetchError, FetchPlan, Metrics, Pipeline, PipelineClosedError)
 from tierkv.shapes import KVShape
-from tierkv.storage.base import CorruptRecordError, KVBlock, RecordKey
+from tierkv.storage.base import CorruptRecordError, KVBlock, RecordKey, StorageError
 from tierkv.storage.codec import codec_by_id, decode_block, encode_block, make_codec
 
 SHAPE = KVShape(layers=4, kv_heads=2, head_dim=8, dtype=torch.float16)
@@ -329,8 +329,47 @@ def test_records_read_every_step_stay_on_the_host_while_new_ones_come_and_go(tmp
             for step, new in enumerate(keys[4:], start=2):
                 plan = FetchPlan([(0, [hot, new])], default_importance=float(step))
                 assert_identical(pipe.submit(plan).wait(0), sync_reference(store, [hot, new]))
+                assert pipe.wait_idle(5)  # ranks and host copies follow the delivery
                 assert hot in store.host, f"the record read every step spilled at step {step}"
                 assert new in store.host  # promoted: the coldest others made room
+
+def test_a_group_is_delivered_before_the_store_ranks_and_keeps_its_disk_records():
+    """Ranking the records read and keeping host copies of those from disk follow the
+    delivery: the consumer does not wait for them."""
+    store, keys = filled_store()
+    release, promoted = threading.Event(), []
+
+    def slow_promote(key, block, importance):
+        assert release.wait(5)
+        promoted.append(key)
+        return False
+    store.promote = slow_promote
+    on_disk = {k for k in keys[0] if store.where(k) == "disk"}
+    with Pipeline(store, CPU, threads=1) as pipe:
+        block = pipe.submit(FetchPlan([(0, keys[0])])).wait(0, timeout=5)
+        assert_identical(block, sync_reference(store, keys[0]))
+        assert promoted == []  # delivered while the first promotion still waits
+        release.set()
+        assert pipe.wait_idle(5)
+        assert set(promoted) == on_disk and on_disk
+
+
+def test_bookkeeping_that_fails_after_delivery_surfaces_at_the_next_submit():
+    store, keys = filled_store()
+
+    def failing_promote(key, block, importance):
+        raise OSError(28, "No space left on device")
+    store.promote = failing_promote
+    with Pipeline(store, CPU) as pipe:
+        assert_identical(pipe.submit(FetchPlan([(0, keys[0])])).wait(0, timeout=5),
+                         sync_reference(store, keys[0]))
+        assert pipe.wait_idle(5)
+        with pytest.raises(StorageError, match="layer group 0: .* after the fetch failed: "
+                                               "OSError: .*No space left on device"):
+            pipe.submit(FetchPlan([(1, keys[1])]))
+        assert_identical(pipe.submit(FetchPlan([(1, keys[1])])).wait(1, timeout=5),
+                         sync_reference(store, keys[1]))  # raised once; the pipeline goes on
+
 
 def test_metrics_steps_and_loose_records():
     metrics = Metrics()

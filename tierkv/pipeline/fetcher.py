@@ -119,6 +119,7 @@ class Pipeline:
         self._busy = 0
         self._idle = threading.Condition()
         self._closed = False
+        self._late_error: tuple[int, BaseException] | None = None
 
     def submit(self, plan: FetchPlan) -> StepHandle:
         """Start fetching ``plan``; ValueError for a group outside the store's range."""
@@ -128,6 +129,11 @@ class Pipeline:
         with self._idle:
             if self._closed:
                 raise PipelineClosedError("submit() on a closed Pipeline")
+            if self._late_error is not None:
+                (group, exc), self._late_error = self._late_error, None
+                raise StorageError(f"layer group {group}: its records were delivered, but the "
+                                   f"store's bookkeeping after the fetch failed: "
+                                   f"{type(exc).__name__}: {exc}") from exc
             handle = StepHandle(plan, self.transfer, self.metrics)
             self._handles.add(handle)
             for group in plan.groups:
@@ -151,6 +157,12 @@ class Pipeline:
         with self._idle:
             return self._idle.wait_for(lambda: self._busy == 0, timeout)
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no group is queued or being fetched, bookkeeping after delivery
+        included; whether that happened within ``timeout`` seconds."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._busy == 0, timeout)
+
     def __enter__(self):
         return self
 
@@ -159,11 +171,20 @@ class Pipeline:
 
     def _run(self, handle: StepHandle, group: GroupFetch) -> None:
         future = handle.futures[group.group]
+        delivered = []
+
+        def deliver(delivery: Delivery) -> None:
+            delivered.append(delivery)
+            settle(future, result=delivery)
         try:
             if not future.done():
-                settle(future, result=self._fetcher.fetch(group, handle.ready, future.done))
+                self._fetcher.fetch(group, handle.ready, future.done, deliver)
         except BaseException as exc:  # surfaced from wait(group), never lost in the pool
-            settle(future, exc=exc)
+            if not delivered:
+                settle(future, exc=exc)
+            else:  # the store's bookkeeping after the delivery: raised by the next submit()
+                with self._idle:
+                    self._late_error = self._late_error or (group.group, exc)
 
     def _finished(self, _work: Future) -> None:
         """Called when a queued group ran or was dropped by ``close``."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-import math
 from typing import Container
 
 from .base import RecordKey
@@ -29,13 +28,17 @@ class Ranking:
 
     ``coldest`` finds the next record to spill (a heap, stale entries dropped as they surface);
     ``is_cold`` tells whether a record is among the least important share of every ranked record
-    (a sorted list of ranks, bisected: O(log n) to ask, O(n) memmove to change).
+    (a count of records per importance, over the sorted distinct importances: O(1) to change,
+    O(distinct importances) to ask). Decode re-ranks hundreds of records a step and asks only
+    when a record is written to disk; a sorted list of every rank (O(n) memmove per change) cost
+    3.6 ms per 650 re-ranks among 15,000 records, ~10 ms of a fetch thread's step at 8K.
     """
 
     def __init__(self):
         self._rank: dict[RecordKey, tuple[float, int]] = {}
         self._heap: list[tuple[float, int, RecordKey]] = []
-        self._order: list[tuple[float, int]] = []
+        self._count: dict[float, int] = {}  # ranked records per importance
+        self._levels: list[float] = []       # the importances counted, ascending
         self._tick = itertools.count()
 
     def set(self, key: RecordKey, importance: float) -> None:
@@ -61,7 +64,10 @@ class Ranking:
         self.discard(key)
         rank = self._rank[key] = (importance, next(self._tick))
         heapq.heappush(self._heap, (*rank, key))
-        bisect.insort(self._order, rank)
+        count = self._count.get(importance, 0)
+        if not count:
+            bisect.insort(self._levels, importance)
+        self._count[importance] = count + 1
 
     def _compact(self) -> None:
         if len(self._heap) > 2 * len(self._rank) + 1024:  # re-ranked keys left stale entries
@@ -70,8 +76,15 @@ class Ranking:
 
     def discard(self, key: RecordKey) -> None:
         rank = self._rank.pop(key, None)
-        if rank is not None:
-            del self._order[bisect.bisect_left(self._order, rank)]
+        if rank is None:
+            return
+        importance = rank[0]
+        count = self._count[importance] - 1
+        if count:
+            self._count[importance] = count
+        else:
+            del self._count[importance]
+            del self._levels[bisect.bisect_left(self._levels, importance)]
 
     def importance(self, key: RecordKey) -> float:
         """The importance ``key`` was ranked at (KeyError when unranked)."""
@@ -110,5 +123,5 @@ class Ranking:
         rank = self._rank.get(key)
         if rank is None:
             return False
-        at_most = bisect.bisect_right(self._order, (rank[0], math.inf))
-        return at_most <= fraction * len(self._order)
+        levels = self._levels[: bisect.bisect_right(self._levels, rank[0])]
+        return sum(map(self._count.__getitem__, levels)) <= fraction * len(self._rank)
