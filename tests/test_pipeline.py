@@ -371,6 +371,48 @@ def test_bookkeeping_that_fails_after_delivery_surfaces_at_the_next_submit():
                          sync_reference(store, keys[1]))  # raised once; the pipeline goes on
 
 
+def test_fetch_now_delivers_in_the_calling_thread_and_counts_as_stall():
+    store, keys = filled_store()
+    metrics = Metrics()
+    with Pipeline(store, CPU, metrics=metrics) as pipe:
+        threads = []
+        real = pipe._fetcher.fetch
+
+        def spy(*args, **kwargs):
+            threads.append(threading.current_thread())
+            return real(*args, **kwargs)
+        pipe._fetcher.fetch = spy
+        metrics.step_begin()
+        block = pipe.fetch_now(FetchPlan([(1, keys[1])]))
+        assert_identical(block, sync_reference(store, keys[1]))
+        assert threads == [threading.current_thread()]
+        metrics.step_end()
+        assert metrics.step(0)["stall_s"] > 0
+        with pytest.raises(ValueError, match="one group"):
+            pipe.fetch_now(FetchPlan([(0, keys[0]), (1, keys[1])]))
+        with pytest.raises(FetchError, match="unknown record"):
+            pipe.fetch_now(FetchPlan([(1, [RecordKey("doc", 1, 999, 1000)])]))
+        assert pipe.wait_idle(5)
+    with pytest.raises(PipelineClosedError, match="fetch_now"):
+        pipe.fetch_now(FetchPlan([(1, keys[1])]))
+
+
+def test_fetch_now_leaves_the_bookkeeping_to_a_worker_and_raises_its_failure_next():
+    store, keys = filled_store()
+    done = []
+
+    def failing_promote(key, block, importance):
+        done.append(threading.current_thread())
+        raise OSError(5, "Input/output error")
+    store.promote = failing_promote
+    with Pipeline(store, CPU) as pipe:
+        assert_identical(pipe.fetch_now(FetchPlan([(0, keys[0])])), sync_reference(store, keys[0]))
+        assert pipe.wait_idle(5)
+        assert done and threading.current_thread() not in done
+        with pytest.raises(StorageError, match="layer group 0: .*OSError"):
+            pipe.fetch_now(FetchPlan([(1, keys[1])]))
+
+
 def test_metrics_steps_and_loose_records():
     metrics = Metrics()
     metrics.record_delivery("disk", 100)           # outside a step: counts towards the next

@@ -97,21 +97,27 @@ def test_sampling_runs(model_and_tok, passkey_cases):
 
 def submissions(monkeypatch) -> list[tuple[int | None, int]]:
     """Spy on the pipeline: the list it returns fills with (layer decoding when a fetch was
-    submitted, the fetch's layer group), one entry per group of each plan submitted."""
+    submitted or done in the decoding thread, the fetch's layer group), one entry per group
+    of each plan."""
     from tierkv.pipeline.fetcher import Pipeline
 
     issued, current = [], {"layer": None}
-    real_submit, real_decode = Pipeline.submit, TieredCache._decode
+    real_submit, real_now, real_decode = Pipeline.submit, Pipeline.fetch_now, TieredCache._decode
 
     def submit(self, plan):
         issued.extend((current["layer"], fetch.group) for fetch in plan.groups)
         return real_submit(self, plan)
+
+    def fetch_now(self, plan):
+        issued.extend((current["layer"], fetch.group) for fetch in plan.groups)
+        return real_now(self, plan)
 
     def decode(self, layer, q, scaling):
         current["layer"] = layer
         return real_decode(self, layer, q, scaling)
 
     monkeypatch.setattr(Pipeline, "submit", submit)
+    monkeypatch.setattr(Pipeline, "fetch_now", fetch_now)
     monkeypatch.setattr(TieredCache, "_decode", decode)
     return issued
 

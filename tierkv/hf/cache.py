@@ -283,11 +283,15 @@ class TieredCache(Cache):
                                 dtype=self.shape.dtype, device=self.device)
             return KVBlock(empty, empty), spec
         pending = self._step.pop(("prefetch", g), None)
-        if pending is None or pending[0] != spec.keys:
-            self.prefetch(g, spec)
-            pending = self._step.pop(("prefetch", g))
-        block = pending[1].wait(g)
-        self.store.device.reserve(f"prefetch:{g}", 0)
+        if pending is not None and pending[0] == spec.keys:
+            block = pending[1].wait(g)
+            self.store.device.reserve(f"prefetch:{g}", 0)
+        else:  # known only now: fetched in this thread, which would only wait for it
+            if pending is not None:  # fetching other records: not needed any more
+                pending[1].cancel()
+                self.store.device.reserve(f"prefetch:{g}", 0)
+            self.reserve(f"fetch:{g}", self._fetch_bytes(g, spec))
+            block = self.pipeline.fetch_now(self._plan(g, spec))
         self.reserve(f"fetch:{g}", block.nbytes)
         self._step[("fetch", g)] = (spec.keys, block)
         if len(self.groups) > 1:
@@ -299,11 +303,12 @@ class TieredCache(Cache):
         while earlier layers compute); its bytes count against the device budget from now."""
         if not spec.keys or self._step.get(("prefetch", group), (None,))[0] == spec.keys:
             return
-        spare = self.spare_tokens(group)
         self.reserve(f"prefetch:{group}", self._fetch_bytes(group, spec))
-        handle = self.pipeline.submit(FetchPlan([(group, spec.keys)], spare=spare,
-                                                default_importance=self._importance(group)))
-        self._step[("prefetch", group)] = (spec.keys, handle)
+        self._step[("prefetch", group)] = (spec.keys, self.pipeline.submit(self._plan(group, spec)))
+
+    def _plan(self, group: int, spec: Fetch) -> FetchPlan:
+        return FetchPlan([(group, spec.keys)], spare=self.spare_tokens(group),
+                         default_importance=self._importance(group))
 
     def _fetch_bytes(self, group: int, spec: Fetch) -> int:
         """Device bytes a fetch of ``spec`` for ``group`` takes, with room for the window."""

@@ -42,7 +42,8 @@ class GroupFetcher:
         self.meter = None if controller is None else ReadMeter(controller)
 
     def fetch(self, group: GroupFetch, ready, stopped: Callable[[], bool],
-              deliver: Callable[[Delivery], None] | None = None) -> Delivery:
+              deliver: Callable[[Delivery], None] | None = None,
+              later: Callable[..., None] | None = None) -> Delivery:
         """The group's records, concatenated on the device; stops early once ``stopped()``.
 
         ``deliver(delivery)``, when given, is called as soon as the block is assembled. What the
@@ -51,6 +52,7 @@ class GroupFetcher:
         at 8K on the CPU (``bench.decode``'s ``tierkv`` case), that bookkeeping took ~11 ms of
         the fetch threads' ~44 ms a step, and every group's fetch is waited for within ~2 ms of
         its submission (a filter layer chooses just before the layers that read its choice).
+        ``later(fn, *args)``, when given, runs that bookkeeping instead (on another thread).
         """
         start = time.perf_counter()
         try:
@@ -70,7 +72,10 @@ class GroupFetcher:
             self.metrics.record_fetch(time.perf_counter() - start)
         if deliver is not None:
             deliver(delivery)
-        self._learn(group, parts, on_disk)
+        if later is not None:
+            later(self._learn, group, parts, on_disk)
+        else:
+            self._learn(group, parts, on_disk)
         return delivery
 
     def _resident(self, group: GroupFetch) -> tuple[list[KVBlock | None], list[int]]:

@@ -20,7 +20,7 @@ class StepStats:
     stage_s: Counter = field(default_factory=Counter)    # busy seconds by stage
     disk_stored_bytes: int = 0
     fetch_s: float = 0.0     # summed wall time of the group fetches
-    stall_s: float = 0.0     # time the consumer spent blocked in wait()
+    stall_s: float = 0.0     # time the consumer spent blocked in wait() or fetch_now()
     step_s: float = 0.0
 
     def add(self, other: "StepStats") -> None:
