@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import os
 import random
 import threading
 
@@ -302,3 +303,20 @@ def test_non_finite_blocks_never_block_a_spill(tmp_path, make_block, blocks_equa
         store.put(_key(0), nan, importance=0.0)
         store.put(_key(1), make_block(_key(1)), importance=5.0)
         assert store.disk.codec_of(_key(0)) == "zstd" and torch.isnan(store.get(_key(0)).keys).any()
+
+
+def test_record_key_hashes_once_and_pickles_by_value_across_processes():
+    """Keys cache their hash (decode hashes thousands a step); a pickled key is hashed anew
+    where it is loaded, under that process's string hashing."""
+    import pickle
+    import subprocess
+    import sys
+
+    key = RecordKey("doc", 2, 8, 16)
+    assert hash(key) == hash(RecordKey("doc", 2, 8, 16)) and {key: 1}[RecordKey("doc", 2, 8, 16)]
+    code = ("import pickle, sys; from tierkv.storage.base import RecordKey; "
+            "k = pickle.loads(sys.stdin.buffer.read()); "
+            "print({RecordKey('doc', 2, 8, 16): 'found'}.get(k), k == RecordKey('doc', 2, 8, 16))")
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(key), capture_output=True,
+                         env={**os.environ, "PYTHONHASHSEED": "12345"}, check=True)
+    assert out.stdout.decode().split() == ["found", "True"]

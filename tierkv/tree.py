@@ -85,9 +85,20 @@ class ChunkTree:
 
     # -- shape ------------------------------------------------------------------------
     @property
+    def bounds(self) -> torch.Tensor:
+        """Leaf cuts: 0, then each leaf's end, LongTensor (m + 1,), read-only."""
+        return self._bounds
+
+    @bounds.setter
+    def bounds(self, value: torch.Tensor) -> None:
+        self._bounds = value
+        self._n = int(value[-1])  # decode asks a few hundred times a step
+        self._unit_cuts = None
+
+    @property
     def n(self) -> int:
         """Sealed tokens covered by the leaves."""
-        return int(self.bounds[-1])
+        return self._n
 
     @property
     def num_leaves(self) -> int:
@@ -118,7 +129,8 @@ class ChunkTree:
 
     def _grow_tail(self, end, lo, hi) -> None:
         self.ema[-1] += (end - self.n) / end
-        self.bounds[-1] = end
+        self._bounds[-1] = end
+        self.bounds = self._bounds  # n and what derives from the cuts anew
         self.kmin[-1] = torch.minimum(self.kmin[-1], lo[0])
         self.kmax[-1] = torch.maximum(self.kmax[-1], hi[0])
 
@@ -337,6 +349,15 @@ class ChunkTree:
             self._record_cuts = torch.tensor([r.start for r in self._records] + [self.n],
                                              dtype=torch.long)
         return self._record_cuts
+
+    def unit_cuts(self) -> torch.Tensor:
+        """The leaf cuts that are record cuts too (the ends of the shortest runs of whole leaves
+        and whole records): LongTensor, read-only, kept until the leaves or records change."""
+        cuts = self.record_cuts
+        held = self._unit_cuts
+        if held is None or held[0] is not cuts:
+            held = self._unit_cuts = (cuts, self._bounds[torch.isin(self._bounds, cuts)])
+        return held[1]
 
     def record_spans(self, leaves: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The records holding each of ``leaves`` (LongTensor (k,); all when None): indices

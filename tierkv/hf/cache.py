@@ -145,6 +145,7 @@ class TieredCache(Cache):
         self._fresh = [False] * self.shape.layers
         self._step: dict = {}
         self._chosen: list[int] = []  # groups whose selection waits for the chooser's release
+        self._held_positions = None  # (fetched positions, (sealed, window), attended positions)
         self._in_forward = False  # a forward pass has begun and its last layer not yet attended
         self._failed: str | None = None  # what broke a forward pass part-way, if anything did
         self.steps = 0  # decode steps so far: the importance of what a step reads or seals
@@ -256,9 +257,19 @@ class TieredCache(Cache):
             k, v = k[:, :n + w], v[:, :n + w]
         else:
             k, v = torch.cat([k[:, :n], wk], dim=1), torch.cat([v[:, :n], wv], dim=1)
+        return self.policy.attend(self, layer, q, k, v, self._positions(layer, positions, w),
+                                  scaling)
+
+    def _positions(self, layer: int, fetched: torch.Tensor, window: int) -> torch.Tensor:
+        """The positions ``layer`` attends: ``fetched``'s, then the recent window's. The layers
+        of a group share them within a step (read-only), so they are built once."""
         start = self.indexes[self.group_of[layer]].sealed
-        positions = torch.cat([positions, torch.arange(start, start + wk.shape[1])])
-        return self.policy.attend(self, layer, q, k, v, positions, scaling)
+        held = self._held_positions
+        if held is not None and held[0] is fetched and held[1] == (start, window):
+            return held[2]
+        positions = torch.cat([fetched, torch.arange(start, start + window)])
+        self._held_positions = (fetched, (start, window), positions)
+        return positions
 
     def _new_step(self) -> None:
         prefetched = {k: v for k, v in self._step.items() if k[0] == "prefetch"}

@@ -56,7 +56,8 @@ class FetchPlan:
                 raise ValueError(f"FetchPlan: group {group} is listed twice")
             seen.add(group)
             unique = _dedupe(group, keys)
-            weights = tuple(float(importance.get(k, default_importance)) for k in unique)
+            weights = tuple(float(importance.get(k, default_importance)) for k in unique) \
+                if importance else (float(default_importance),) * len(unique)
             self._groups.append(GroupFetch(group, unique, weights, len(self._groups), spare))
 
     @property
@@ -100,11 +101,14 @@ def _unpack(entry) -> tuple[int, Sequence[RecordKey]]:
 def _dedupe(group: int, keys: Sequence[RecordKey]) -> tuple[RecordKey, ...]:
     if not keys:
         raise ValueError(f"FetchPlan: group {group} has no keys: leave the group out of the plan")
-    unique: dict[RecordKey, None] = {}
-    for key in keys:
+    try:
+        unique = tuple(dict.fromkeys(keys))
+    except TypeError:  # unhashable: named below
+        unique = tuple(keys)
+    wrong = [key for key in unique if not isinstance(key, RecordKey) or key.group != group]
+    if wrong:
+        key = wrong[0]
         if not isinstance(key, RecordKey):
             raise ValueError(f"FetchPlan: group {group}: {key!r} is not a RecordKey")
-        if key.group != group:
-            raise ValueError(f"FetchPlan: {key} belongs to group {key.group}, listed under {group}")
-        unique.setdefault(key, None)
-    return tuple(unique)
+        raise ValueError(f"FetchPlan: {key} belongs to group {key.group}, listed under {group}")
+    return unique

@@ -186,7 +186,7 @@ class OmniKV(Policy):
         cuts = tree.bounds
         leaf_units = self.select.fetch_unit == "leaf"
         if not leaf_units:
-            cuts = cuts[torch.isin(cuts, tree.record_cuts)]
+            cuts = tree.unit_cuts()
         prefix = torch.zeros(tree.n + 1, dtype=torch.float64)
         torch.cumsum(scores[: tree.n].double(), 0, out=prefix[1:])
         mass, sizes = (prefix[cuts[1:]] - prefix[cuts[:-1]]).float(), cuts.diff()

@@ -58,6 +58,14 @@ class RecordKey:
                 raise ValueError(f"{name}={value!r}: must be an integer in [0, 2**40)")
         if self.end <= self.start:
             raise ValueError(f"token range [{self.start}, {self.end}) is empty")
+        # a decode step hashes a few thousand keys (tiers, ranks, plans): once each, not per use
+        object.__setattr__(self, "_hash", hash((self.doc, self.group, self.start, self.end)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        return RecordKey, (self.doc, self.group, self.start, self.end)  # hashed anew on load
 
     @property
     def tokens(self) -> int:
