@@ -186,8 +186,7 @@ class Pipeline:
             try:
                 fn(*args)
             except BaseException as exc:
-                with self._idle:
-                    self._late_error = self._late_error or (args[0].group, exc)
+                self._keep_late(args[0].group, exc)
         with self._idle:
             if self._closed:
                 return
@@ -229,9 +228,13 @@ class Pipeline:
         except BaseException as exc:  # surfaced from wait(group), never lost in the pool
             if not delivered:
                 settle(future, exc=exc)
-            else:  # the store's bookkeeping after the delivery: raised by the next submit()
-                with self._idle:
-                    self._late_error = self._late_error or (group.group, exc)
+            else:  # the store's bookkeeping after the delivery
+                self._keep_late(group.group, exc)
+
+    def _keep_late(self, group: int, exc: BaseException) -> None:
+        """Keep the first failure after a delivery, for the next submit() or fetch_now()."""
+        with self._idle:
+            self._late_error = self._late_error or (group, exc)
 
     def _finished(self, _work: Future) -> None:
         """Called when a queued group ran or was dropped by ``close``."""
