@@ -82,6 +82,8 @@ def test_fetch_keeps_the_chosen_leaves_of_shared_records():
     assert spec.keep.tolist() == [*range(8, 24), *range(40, 48)] and spec.tokens == 48
     whole = index.fetch(torch.tensor([0, 1, 2]))
     assert whole.keep is None and whole.positions.tolist() == list(range(32))
+    twice = index.fetch(torch.tensor([1, 1]))  # as many tokens as record [16, 32), half of it
+    assert twice.positions.tolist() == list(range(16, 24)) and twice.keep.tolist() == list(range(8))
     assert index.fetch(torch.zeros(0, dtype=torch.long)).keys == ()
 
 

@@ -80,9 +80,9 @@ class GroupIndex:
                 self._all = self._fetch(self.tree.record_indices())
             return self._all
         spec = self._fetch(self.tree.record_indices(leaves))
+        if int(self.tree.sizes[leaves].sum()) == spec.tokens and bool((leaves.diff() > 0).all()):
+            return spec  # distinct leaves as many tokens as their records: whole records
         wanted = self.tree.token_mask(leaves, self.sealed)[spec.positions]
-        if bool(wanted.all()):
-            return spec
         keep = wanted.nonzero().flatten()
         return spec._replace(positions=spec.positions[keep], keep=keep)
 
