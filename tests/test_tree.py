@@ -7,7 +7,8 @@ import torch
 from tierkv.config import ChunkConfig, SelectConfig
 from tierkv.select import adaptation_scores, select_by_scores
 from tierkv.summary import summarize, summarize_segments
-from tierkv.tree import ChunkTree, RecordRef, SplitRequest
+from tierkv.records import RecordRef
+from tierkv.tree import ChunkTree, SplitRequest
 
 SMALL = ChunkConfig(min=4, base=8, max=32, desert_threshold=0.3, merge_after=2,
                     split_concentration=0.7)
@@ -319,7 +320,7 @@ def test_rewrites_follow_leaves_but_never_cut_records_below_base():
 
 
 def test_record_cuts_keep_records_at_least_floor():
-    from tierkv.tree import record_cuts_for
+    from tierkv.records import record_cuts_for
 
     assert record_cuts_for([0, 2, 4, 6, 8], 8) == (0, 8)
     assert record_cuts_for([0, 8, 12, 16], 8) == (0, 8, 16)

@@ -29,8 +29,7 @@ from ..shapes import KVShape
 from ..storage.base import KVBlock, TierFullError
 from ..storage.probe import read_bandwidth
 from ..storage.store import KVStore
-from .admit import (check_args, check_forward, claim_doc, device_need, on_model_device,
-                    sliding_window)
+from .admit import check_args, claim_doc, device_need, on_model_device, sliding_window
 from .groups import Fetch, GroupIndex
 from .hooks import install, uninstall
 from .prefill import prefill_attention
@@ -446,24 +445,6 @@ class TieredCache(Cache):
 
     def _uninstall(self) -> None:
         uninstall(self)
-
-    def _begin_forward(self, module, args, kwargs) -> None:
-        """Refuse, before any layer runs, what the cache would attend wrongly
-        (``admit.check_forward``), or anything after a forward pass that failed part-way
-        (``check_whole``)."""
-        self.check_whole()
-        check_forward(self.get_seq_length(), self.sliding_window, args, kwargs)
-        self._in_forward = True
-
-    def _record_ids(self, module, args) -> None:
-        ids = args[0]
-        if ids.dim() == 2 and ids.shape[1] == 0 and self.get_seq_length() > 0:
-            self._in_forward = False  # refused before any layer ran: nothing changed
-            raise ValueError(f"no new tokens reach the model: the cache holds "
-                             f"{self.get_seq_length()} tokens and generate feeds only the ids past "
-                             "them; pass cache.token_ids followed by the new tokens")
-        if ids.dim() == 2 and ids.shape[0] == 1:
-            self.token_ids = torch.cat([self.token_ids, ids.detach().cpu().long()], dim=1)
 
     def save(self, path) -> Path:
         """Store this document (records, indexes, windows, token ids) under directory ``path``,

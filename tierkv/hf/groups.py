@@ -16,7 +16,8 @@ import torch
 from ..config import ChunkConfig
 from ..storage.base import KVBlock, RecordKey
 from ..summary import chunk_scores, head_shares, summarize_segments
-from ..tree import ChunkTree, RecordRef
+from ..records import RecordRef
+from ..tree import ChunkTree
 
 
 class Fetch(NamedTuple):

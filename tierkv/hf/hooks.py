@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import weakref
 
+import torch
 from transformers import AttentionInterface
 
-from .admit import GenerateGuard
+from .admit import GenerateGuard, check_forward
 
 
 def install(cache, model) -> None:
@@ -18,8 +19,10 @@ def install(cache, model) -> None:
     AttentionInterface.register(cache._attn_name, cache._attention)
     cache._previous_attn = model.config._attn_implementation
     model.set_attn_implementation(cache._attn_name)
-    cache._hooks = [model.get_input_embeddings().register_forward_pre_hook(cache._record_ids)]
-    cache._hooks.append(model.register_forward_pre_hook(cache._begin_forward, with_kwargs=True))
+    cache._hooks = [model.get_input_embeddings().register_forward_pre_hook(
+        lambda module, args: record_ids(cache, args))]
+    cache._hooks.append(model.register_forward_pre_hook(
+        lambda module, args, kwargs: begin_forward(cache, args, kwargs), with_kwargs=True))
     cache._hooks.append(GenerateGuard(model, cache))
     model._tierkv_cache = weakref.ref(cache)
 
@@ -37,3 +40,24 @@ def uninstall(cache) -> None:
         hook.remove()
     if getattr(model, "_tierkv_cache", lambda: None)() is cache:
         model._tierkv_cache = lambda: None
+
+
+def begin_forward(cache, args, kwargs) -> None:
+    """Refuse, before any layer runs, what ``cache`` would attend wrongly
+    (``admit.check_forward``), or anything after a forward pass that failed part-way
+    (``check_whole``)."""
+    cache.check_whole()
+    check_forward(cache.get_seq_length(), cache.sliding_window, args, kwargs)
+    cache._in_forward = True
+
+
+def record_ids(cache, args) -> None:
+    """Append the ids entering the model's embeddings to ``cache.token_ids``."""
+    ids = args[0]
+    if ids.dim() == 2 and ids.shape[1] == 0 and cache.get_seq_length() > 0:
+        cache._in_forward = False  # refused before any layer ran: nothing changed
+        raise ValueError(f"no new tokens reach the model: the cache holds "
+                         f"{cache.get_seq_length()} tokens and generate feeds only the ids past "
+                         "them; pass cache.token_ids followed by the new tokens")
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        cache.token_ids = torch.cat([cache.token_ids, ids.detach().cpu().long()], dim=1)

@@ -131,10 +131,8 @@ class Pipeline:
         if not isinstance(plan, FetchPlan):
             raise ValueError(f"plan={plan!r}: expected a FetchPlan")
         plan.check_groups(self.groups)
-        self._raise_if_closed_or_late("submit()")
         with self._idle:
-            if self._closed:
-                raise PipelineClosedError("submit() on a closed Pipeline")
+            self._check_usable("submit()")
             handle = StepHandle(plan, self.transfer, self.metrics)
             self._handles.add(handle)
             for group in plan.groups:
@@ -155,8 +153,7 @@ class Pipeline:
         for handle in handles:
             handle.abort(error)
         self._pool.shutdown(wait=False, cancel_futures=True)
-        with self._idle:
-            return self._idle.wait_for(lambda: self._busy == 0, timeout)
+        return self.wait_idle(timeout)
 
     def fetch_now(self, plan: FetchPlan) -> KVBlock:
         """Fetch the one group of ``plan`` in the calling thread and return its block, for a
@@ -169,7 +166,8 @@ class Pipeline:
         if not isinstance(plan, FetchPlan) or len(plan) != 1:
             raise ValueError(f"plan={plan!r}: expected a FetchPlan of one group")
         plan.check_groups(self.groups)
-        self._raise_if_closed_or_late("fetch_now()")
+        with self._idle:
+            self._check_usable("fetch_now()")
         group = plan.groups[0]
         start = time.perf_counter()
         try:
@@ -193,15 +191,16 @@ class Pipeline:
             self._busy += 1
             self._pool.submit(run).add_done_callback(self._finished)
 
-    def _raise_if_closed_or_late(self, what: str) -> None:
-        with self._idle:
-            if self._closed:
-                raise PipelineClosedError(f"{what} on a closed Pipeline")
-            if self._late_error is not None:
-                (group, exc), self._late_error = self._late_error, None
-                raise StorageError(f"layer group {group}: its records were delivered, but the "
-                                   f"store's bookkeeping after the fetch failed: "
-                                   f"{type(exc).__name__}: {exc}") from exc
+    def _check_usable(self, what: str) -> None:
+        """PipelineClosedError after ``close``; the kept failure of bookkeeping after a
+        delivery, once (called holding ``_idle``)."""
+        if self._closed:
+            raise PipelineClosedError(f"{what} on a closed Pipeline")
+        if self._late_error is not None:
+            (group, exc), self._late_error = self._late_error, None
+            raise StorageError(f"layer group {group}: its records were delivered, but the "
+                               f"store's bookkeeping after the fetch failed: "
+                               f"{type(exc).__name__}: {exc}") from exc
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until no group is queued or being fetched, bookkeeping after delivery
