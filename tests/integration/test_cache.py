@@ -531,3 +531,43 @@ def test_a_filter_layers_choice_is_fetched_once_its_own_records_are_let_go(model
         generate(model, ids, cache, new=6)
     assert chosen and len(seen) >= 5 * len(filters), seen  # every decode step's choices
     assert all(not any(held.values()) for held in seen), seen
+
+
+def test_decode_steps_compute_on_decode_threads_and_put_them_back(model_and_tok, passkey_cases,
+                                                                  monkeypatch):
+    """A decode step computes on ``decode_threads`` (on a CPU one fewer than torch's, at least
+    one), a prompt on torch's own; torch's setting is back after each forward pass, also one
+    that raised. A bad value is refused before any layer runs, and the cache goes on."""
+    model, _ = model_and_tok
+    ids = passkey_cases[0][0][:, :200]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        config = TierConfig(device_budget="8MB", host_budget="1GB")
+        with TieredCache(model, config, "tierkv") as cache, torch.no_grad():
+            assert cache.decode_threads == 1
+            seen = []
+            attend = cache.policy.attend
+            monkeypatch.setattr(cache.policy, "attend",
+                                lambda *a: seen.append(torch.get_num_threads()) or attend(*a))
+            model(ids, past_key_values=cache, use_cache=True)
+            assert torch.get_num_threads() == 2
+            model(ids[:, -1:], past_key_values=cache, use_cache=True)
+            assert seen[-1] == 1 and torch.get_num_threads() == 2
+
+            def broken(*args):
+                raise RuntimeError("attention failed")
+            monkeypatch.setattr(cache.policy, "attend", broken)
+            with pytest.raises(RuntimeError, match="attention failed"):
+                model(ids[:, -1:], past_key_values=cache, use_cache=True)
+            assert torch.get_num_threads() == 2
+        with TieredCache(model, config, "tierkv") as cache, torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+            cache.decode_threads = 0
+            with pytest.raises(ValueError, match=r"decode_threads=0: expected a positive int"):
+                model(ids[:, -1:], past_key_values=cache, use_cache=True)
+            cache.decode_threads = None
+            model(ids[:, -1:], past_key_values=cache, use_cache=True)
+            assert cache.get_seq_length() == ids.shape[1] + 1
+    finally:
+        torch.set_num_threads(before)

@@ -111,10 +111,11 @@ def check_args(model, config, select, chunks, prefill_block, doc) -> None:
         RecordKey(doc, 0, 0, 1)  # a ValueError naming it when records could not carry it
 
 
-def check_forward(held: int, window: int | None, args, kwargs) -> None:
+def check_forward(held: int, window: int | None, args, kwargs) -> int | None:
     """Refuse a forward pass (the model's ``args``, ``kwargs``) that a cache holding ``held``
     tokens would attend wrongly: masked tokens (padding), new tokens placed elsewhere than after
-    the held ones, or a context longer than the model's sliding ``window``."""
+    the held ones, or a context longer than the model's sliding ``window``. Returns the number
+    of new tokens (None when neither ids nor embeddings are given)."""
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
         raise ValueError(f"attention_mask masks {int((mask == 0).sum())} of its {mask.numel()} "
@@ -129,11 +130,13 @@ def check_forward(held: int, window: int | None, args, kwargs) -> None:
     new = kwargs.get("input_ids", args[0] if args else None)
     if new is None:
         new = kwargs.get("inputs_embeds")
-    tokens = held + (new.shape[1] if isinstance(new, torch.Tensor) else 0)
+    count = new.shape[1] if isinstance(new, torch.Tensor) and new.dim() >= 2 else None
+    tokens = held + (count or 0)
     if window is not None and tokens > window:
         raise ValueError(f"{tokens} tokens pass the model's sliding window ({window}): its "
                          "layers attend only that far back, while a TieredCache attends the "
                          "whole context")
+    return count
 
 
 def check_prefix(held_ids: torch.Tensor, input_ids: torch.Tensor) -> None:

@@ -1,7 +1,7 @@
 """How a TieredCache attaches to a model and lets go of it: its attention function through
 transformers' ``AttentionInterface`` (no model class is patched), two forward pre-hooks (the
-token ids, the checks before a forward pass) and ``GenerateGuard``; a weak reference on the model
-names its live cache."""
+token ids, the checks before a forward pass), a forward hook (the threads of a decode step, put
+back) and ``GenerateGuard``; a weak reference on the model names its live cache."""
 from __future__ import annotations
 
 import weakref
@@ -23,6 +23,8 @@ def install(cache, model) -> None:
         lambda module, args: record_ids(cache, args))]
     cache._hooks.append(model.register_forward_pre_hook(
         lambda module, args, kwargs: begin_forward(cache, args, kwargs), with_kwargs=True))
+    cache._hooks.append(model.register_forward_hook(
+        lambda module, args, out: end_forward(cache), always_call=True))
     cache._hooks.append(GenerateGuard(model, cache))
     model._tierkv_cache = weakref.ref(cache)
 
@@ -45,10 +47,26 @@ def uninstall(cache) -> None:
 def begin_forward(cache, args, kwargs) -> None:
     """Refuse, before any layer runs, what ``cache`` would attend wrongly
     (``admit.check_forward``), or anything after a forward pass that failed part-way
-    (``check_whole``)."""
+    (``check_whole``); a decode step (one new token) computes on ``cache.decode_threads``."""
     cache.check_whole()
-    check_forward(cache.get_seq_length(), cache.sliding_window, args, kwargs)
+    new = check_forward(cache.get_seq_length(), cache.sliding_window, args, kwargs)
+    threads = cache.decode_threads if new == 1 else None
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or threads < 1):
+        raise ValueError(f"TieredCache.decode_threads={threads!r}: expected a positive int, or "
+                         "None to leave torch's threads as they are")
     cache._in_forward = True
+    if threads is not None:
+        cache._threads_before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+
+
+def end_forward(cache) -> None:
+    """Put back the compute threads a decode step changed (``TieredCache.decode_threads``),
+    whether the forward pass ended or raised."""
+    before, cache._threads_before = cache._threads_before, None
+    if before is not None:
+        torch.set_num_threads(before)
 
 
 def record_ids(cache, args) -> None:
