@@ -251,7 +251,9 @@ def test_preselection_stays_within_the_device_room(room, candidates, fetch_unit)
 def test_layers_before_the_first_filter_preselect_like_it(device, narrowed):
     """``tierkv`` narrows the layers before the first filter layer (read whole by ``omnikv``)
     by the same rule as the filter layers: once their group's KV (1 MiB here) outgrows a
-    quarter of the device tier. The layers after a filter layer keep reusing its choice."""
+    quarter of the device tier. They attend their candidates only, so they take the token
+    budget, where a filter layer takes a wide margin for the layers after it, which keep
+    reusing its choice."""
     index, _ = index_over(1024, 8)
     cache = preselecting_cache(index, device)
     select = SelectConfig(budget=0.25, filter_layers=(1,))
@@ -262,7 +264,10 @@ def test_layers_before_the_first_filter_preselect_like_it(device, narrowed):
     assert tierkv.dense(cache, 0) is not narrowed
     leaves = tierkv.fetch(cache, 0, q)
     if narrowed:
-        assert 0 < int(index.tree.sizes[leaves].sum()) < index.sealed
+        budget = tierkv.budget(cache)
+        assert budget - CHUNKS.base < int(index.tree.sizes[leaves].sum()) <= budget
+        filtered = tierkv.fetch(cache, 1, q)
+        assert int(index.tree.sizes[filtered].sum()) > 2 * budget
     else:
         assert leaves is None
 
@@ -366,3 +371,32 @@ def test_razor_names_bad_retrieval_heads(heads, match):
         make_policy("razor", 30, SelectConfig(), CHUNKS, {"retrieval_heads": heads})
     policy = make_policy("razor", 30, SelectConfig(), CHUNKS, {"retrieval_heads": {"14": [1], 3: [0, 2]}})
     assert policy.retrieval == {14: [1], 3: [0, 2]}
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_adapt_splits_the_leaves_whose_keys_are_all_at_hand(shuffled):
+    """A fold splits a leaf whose attention sits in one half when every one of its tokens is
+    among the keys at hand (in any order), from those keys; a leaf missing a token is not
+    split."""
+    index, keys = index_over(64, 8)
+    scores = torch.zeros(64)
+    scores[16:20] = scores[40:44] = 1.0  # the first halves of leaves [16, 24) and [40, 48)
+    positions = torch.cat([torch.arange(16, 24), torch.arange(40, 47)])  # 47 was not fetched
+    if shuffled:
+        positions = positions[torch.randperm(positions.numel(), generator=torch.Generator().manual_seed(1))]
+    index.adapt(scores, torch.arange(len(index)), 0, keys[:, positions], positions, 64)
+    bounds = index.tree.bounds.tolist()
+    assert 20 in bounds and 44 not in bounds and 40 in bounds
+    leaf = bounds.index(16)
+    assert torch.equal(index.tree.kmin[leaf], keys[:, 16:20].amin(dim=1))
+    assert torch.equal(index.tree.kmax[leaf + 1], keys[:, 20:24].amax(dim=1))
+    index.tree.validate()
+
+
+def test_adapt_refuses_positions_that_name_a_token_twice():
+    index, keys = index_over(64, 8)
+    scores = torch.zeros(64)
+    scores[16:20] = 1.0
+    positions = torch.tensor([17, 16, 18, 19, 20, 21, 22, 23, 17])
+    with pytest.raises(ValueError, match="name a token twice"):
+        index.adapt(scores, torch.arange(len(index)), 0, keys[:, positions], positions, 64)

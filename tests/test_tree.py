@@ -369,3 +369,24 @@ def test_append_many_holds_several_leaves_per_record_and_checks_its_input():
     assert tree.sizes.tolist() == [2, 2, 2, 2, 2, 2, 4] and len(tree.records) == 2
     assert [r.handle for r in tree.records_for(torch.tensor([1, 5]))] == ["a", "b"]
     assert tree.pending_rewrites() == []
+
+
+def test_split_packed_takes_the_leaves_keys_in_one_tensor():
+    """``split_packed`` (every leaf's keys one after another, as a fold gathers them) splits as
+    ``split_many`` does, and refuses keys of the wrong length without changing anything."""
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(KV, 128, DIM, generator=gen)
+    tree = ChunkTree(SMALL, KV, DIM)
+    for start in range(0, 128, 16):
+        tree.append_keys(keys[:, start:start + 16], start)
+    requests = [SplitRequest(80, 96, 86, 0.7), SplitRequest(16, 32, 20, 0.25)]
+    expected = copy.deepcopy(tree)
+    expected.split_many(requests, [keys[:, r.start:r.end] for r in requests])
+    before = copy.deepcopy(tree)
+    with pytest.raises(ValueError, match=rf"keys \(2, 31, {DIM}\): expected \(2, 32, {DIM}\)"):
+        tree.split_packed(requests, torch.cat([keys[:, 80:96], keys[:, 16:31]], dim=1))
+    assert torch.equal(tree.bounds, before.bounds) and torch.equal(tree.kmin, before.kmin)
+    tree.split_packed(requests, torch.cat([keys[:, 80:96], keys[:, 16:32]], dim=1))
+    tree.validate()
+    for name in ("bounds", "kmin", "kmax", "ema", "selected_count", "cold"):
+        assert torch.equal(getattr(tree, name), getattr(expected, name)), name

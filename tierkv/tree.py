@@ -19,7 +19,7 @@ import torch
 
 from tierkv.config import ChunkConfig
 from tierkv.records import LeafRecords, RecordRef
-from tierkv.summary import segment_minmax, summarize
+from tierkv.summary import segment_minmax, summarize, summarize_segments
 
 FANOUT = 4
 
@@ -214,8 +214,8 @@ class ChunkTree(LeafRecords):
         eligible = self.cold >= c.merge_after
         if m and int(self.sizes[-1]) < c.min:
             eligible[-1] = False
-        for request in splits:
-            eligible[self.leaf_at(request.start)] = False
+        if splits:  # a leaf asked to split does not merge
+            eligible[self._leaf_index(torch.tensor([r.start for r in splits]))] = False
         limit = self.config.max if max_size is None else max(self.config.min, min(max_size, self.config.max))
         return Changes(self._merge(eligible, limit), splits)
 
@@ -226,9 +226,10 @@ class ChunkTree(LeafRecords):
         frac = (first / mass.clamp(min=1e-30)).clamp(0, 1)
         conc = torch.maximum(frac, 1 - frac) >= self.config.split_concentration
         want = candidates & (mass > 0) & (self.sizes >= 2 * self.config.min) & conc
-        idx = want.nonzero().flatten().tolist()
-        return [SplitRequest(int(self.bounds[i]), int(self.bounds[i + 1]), int(cuts[i]),
-                             float(frac[i])) for i in idx]
+        idx = want.nonzero().flatten()
+        rows = zip(self.bounds[idx].tolist(), self.bounds[idx + 1].tolist(), cuts[idx].tolist(),
+                   frac[idx].tolist())
+        return [SplitRequest(*row) for row in rows]
 
     # -- structure --------------------------------------------------------------------
     def _merge(self, eligible: torch.Tensor, limit: int) -> list[tuple[int, int]]:
@@ -275,43 +276,64 @@ class ChunkTree(LeafRecords):
             raise ValueError(f"{len(requests)} split requests with {len(keys)} key tensors")
         if not requests:
             return
-        leaves = [self._split_leaf(r, k) for r, k in zip(requests, keys)]
-        if len(set(leaves)) != len(leaves):
-            twice = next(i for i in leaves if leaves.count(i) > 1)
-            raise ValueError(f"split requests name leaf {twice} more than once")
-        idx = torch.tensor(leaves)
-        # (kmin, kmax) of the first half, then of the second, per request
-        halves = [summarize(k[:, :r.cut - r.start]) + summarize(k[:, r.cut - r.start:])
-                  for r, k in zip(requests, keys)]
-        lo_a, hi_a, lo_b, hi_b = (torch.stack(t) for t in zip(*halves))
+        for r, k in zip(requests, keys):
+            if k.shape != (self.kv_heads, r.end - r.start, self.head_dim):
+                raise ValueError(f"keys {tuple(k.shape)} of {r}: expected "
+                                 f"({self.kv_heads}, {r.end - r.start}, {self.head_dim})")
+        self.split_packed(requests, torch.cat(keys, dim=1))
+
+    def split_packed(self, requests: list[SplitRequest], keys: torch.Tensor) -> None:
+        """``split_many`` with the leaves' keys one after another in one tensor.
+
+        keys : Tensor, shape (kv_heads, total, head_dim): request ``i``'s leaf's tokens follow
+            those of requests ``0..i-1``; total is the sum of the leaves' sizes.
+        """
+        if not requests:
+            return
+        starts, ends, cuts = torch.tensor([(r.start, r.end, r.cut) for r in requests]).T.contiguous()
+        idx = self._leaves_of(requests, starts, ends, cuts)
+        lens = ends - starts
+        if keys.shape != (self.kv_heads, int(lens.sum()), self.head_dim):
+            raise ValueError(f"keys {tuple(keys.shape)}: expected ({self.kv_heads}, "
+                             f"{int(lens.sum())}, {self.head_dim}) for {len(requests)} leaves")
+        # each leaf's two halves are consecutive segments of ``keys``: one reduction for all
+        offsets = lens.cumsum(0) - lens
+        halves = torch.stack([offsets, offsets + cuts - starts], dim=1).flatten()
+        lo, hi = summarize_segments(keys, torch.cat([halves, lens.sum().view(1)]))
         share = torch.tensor([[r.first_share, 1 - r.first_share] for r in requests])
         repeat = torch.ones(self.num_leaves, dtype=torch.long)
         repeat[idx] = 2
         source = torch.repeat_interleave(torch.arange(self.num_leaves), repeat)  # new -> old leaf
         first = (repeat.cumsum(0) - repeat)[idx]  # new index of each split leaf's first half
         second = first + 1
-        starts = self.bounds[:-1][source]
-        starts[second] = torch.tensor([r.cut for r in requests])
+        bounds = self.bounds[:-1][source]
+        bounds[second] = cuts
         kmin, kmax, ema = self.kmin[source], self.kmax[source], self.ema[source]
-        kmin[first], kmax[first], kmin[second], kmax[second] = lo_a, hi_a, lo_b, hi_b
+        kmin[first], kmax[first], kmin[second], kmax[second] = lo[0::2], hi[0::2], lo[1::2], hi[1::2]
         ema[first], ema[second] = self.ema[idx] * share[:, 0], self.ema[idx] * share[:, 1]
         cold = self.cold[source]
         cold[first] = cold[second] = 0
-        self.bounds = torch.cat([starts, self.bounds[-1:]])
+        self.bounds = torch.cat([bounds, self.bounds[-1:]])
         self.kmin, self.kmax, self.ema, self.cold = kmin, kmax, ema, cold
         self.selected_count = self.selected_count[source]  # both halves keep the count
         self._levels = None
 
-    def _split_leaf(self, request: SplitRequest, keys: torch.Tensor) -> int:
-        """The index of the leaf ``request`` splits, after checking it and its keys."""
-        i = self.leaf_at(request.start)
-        start, end = int(self.bounds[i]), int(self.bounds[i + 1])
-        if (start, end) != (request.start, request.end) or not start < request.cut < end:
-            raise ValueError(f"{request} does not match the current leaf [{start}, {end})")
-        if keys.shape != (self.kv_heads, end - start, self.head_dim):
-            raise ValueError(f"keys {tuple(keys.shape)}: expected "
-                             f"({self.kv_heads}, {end - start}, {self.head_dim})")
-        return i
+    def _leaves_of(self, requests, starts, ends, cuts) -> torch.Tensor:
+        """The leaf each request splits (LongTensor), after checking that each names a current
+        leaf, once, and cuts inside it."""
+        bounds = self.bounds
+        leaves = self._leaf_index(starts).clamp(0, self.num_leaves - 1)
+        bad = (bounds[leaves] != starts) | (bounds[leaves + 1] != ends) | (cuts <= starts) | \
+            (cuts >= ends)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            leaf = int(leaves[i])
+            raise ValueError(f"{requests[i]} does not match the current leaf "
+                             f"[{int(bounds[leaf])}, {int(bounds[leaf + 1])})")
+        if torch.unique(leaves).numel() != leaves.numel():
+            twice = next(i for i in leaves.tolist() if leaves.tolist().count(i) > 1)
+            raise ValueError(f"split requests name leaf {twice} more than once")
+        return leaves
 
     def token_mask(self, leaves: torch.Tensor, length: int) -> torch.Tensor:
         """BoolTensor (length,) (``length >= n``): True on the tokens of ``leaves``."""
@@ -325,6 +347,10 @@ class ChunkTree(LeafRecords):
         if not 0 <= token < self.n:
             raise ValueError(f"token {token}: outside [0, {self.n})")
         return int(torch.searchsorted(self.bounds, token, right=True)) - 1
+
+    def _leaf_index(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``leaf_at`` of each of ``tokens`` (LongTensor, within ``[0, n)``, unchecked)."""
+        return torch.searchsorted(self.bounds, tokens, right=True) - 1
 
     # -- persistence ------------------------------------------------------------------
     def state(self) -> dict[str, torch.Tensor]:

@@ -146,14 +146,15 @@ class GroupIndex:
         fits = torch.cumsum(lens[order], 0) <= max(budget_tokens, int(lens[forced].sum()))
         return torch.sort(order[fits | forced[order]]).values
 
-    def adapt(self, token_scores: torch.Tensor, chosen: torch.Tensor, sinks: int, keys_of,
-              max_leaf: int) -> None:
+    def adapt(self, token_scores: torch.Tensor, chosen: torch.Tensor, sinks: int,
+              keys: torch.Tensor | None, positions: torch.Tensor | None, max_leaf: int) -> None:
         """Fold one step's exact scores into the tree: cold runs merge, concentrated leaves split.
 
         token_scores : Tensor, shape (>= sealed,), attention mass per token (0 where unknown).
         chosen : LongTensor of the leaves fetched this step.
-        keys_of : ``(start, end) -> Tensor (kv_heads, end - start, head_dim) | None``, the keys
-            of a leaf when they are at hand (a split is skipped otherwise).
+        keys, positions : the keys at hand, shape (kv_heads, n, head_dim), and their tokens'
+            positions, shape (n,) on the CPU; a split whose leaf's tokens are not all among them
+            is skipped (no split at all when ``keys`` is None).
         max_leaf : largest leaf a merge may make (a fraction of the fetch budget).
         """
         scores = token_scores[: self.sealed].clone()
@@ -161,9 +162,8 @@ class GroupIndex:
         selected = torch.zeros(len(self), dtype=torch.bool)
         selected[chosen] = True
         changes = self.tree.update(self.tree.mass_per_leaf(scores), selected, scores, max_leaf)
-        found = [(r, keys_of(r.start, r.end)) for r in changes.splits]
-        found = [(r, keys) for r, keys in found if keys is not None]
-        self.tree.split_many([r for r, _ in found], [keys for _, keys in found])
+        if changes.splits and keys is not None:
+            self.tree.split_packed(*_leaf_keys(changes.splits, keys, positions))
 
     def rewrite(self, store, keep=frozenset()) -> int:
         """Rewrite records to match the leaves (after merges/splits); returns records written.
@@ -200,3 +200,35 @@ def _leaf_starts(start: int, end: int, leaf_tokens: int | None) -> range:
     if leaf_tokens is None or end - start < 2 * leaf_tokens:
         return range(start, start + 1)
     return range(start, end - leaf_tokens - (end - start) % leaf_tokens + 1, leaf_tokens)
+
+
+def _leaf_keys(splits, keys: torch.Tensor, positions: torch.Tensor):
+    """The ``splits`` whose leaves' tokens are all in ``keys`` (kv_heads, n, head_dim) at
+    ``positions`` (n,, distinct), and those leaves' keys one after another on the CPU
+    (``ChunkTree.split_packed``'s arguments)."""
+    order = None
+    if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
+        order = torch.argsort(positions)
+        positions = positions[order]
+        if not bool((positions[1:] > positions[:-1]).all()):
+            raise ValueError("the positions of the keys at hand name a token twice")
+    starts, ends = torch.tensor([(r.start, r.end) for r in splits]).T.contiguous()
+    lens = ends - starts
+    # ascending and distinct: a leaf is whole when its last token sits len - 1 places after its
+    # first (``at`` is where its first token is, or would be)
+    at = torch.searchsorted(positions, starts)
+    last = at + lens - 1
+    whole = last < positions.numel()
+    whole[whole.clone()] = positions[last[whole]] == ends[whole] - 1
+    found = whole.nonzero().flatten()
+    index = _ranges(at[found], lens[found])
+    if order is not None:
+        index = order[index]
+    packed = keys.index_select(1, index.to(keys.device)).cpu()
+    return [splits[i] for i in found.tolist()], packed
+
+
+def _ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """``starts[i] .. starts[i] + lens[i] - 1`` for every ``i``, one after another."""
+    offsets = torch.repeat_interleave(starts - (lens.cumsum(0) - lens), lens)
+    return torch.arange(int(lens.sum())) + offsets

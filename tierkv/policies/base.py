@@ -89,18 +89,6 @@ def _is_index(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def keys_lookup(k: torch.Tensor, positions: torch.Tensor):
-    """``(start, end) -> keys of tokens [start, end)`` on the CPU, from ``k`` (kv_heads, n,
-    head_dim) whose token positions are ``positions`` (n,, CPU), or None when some of them
-    were not fetched."""
-    def keys_of(start: int, end: int):
-        mask = (positions >= start) & (positions < end)
-        if int(mask.sum()) != end - start:
-            return None
-        return k[:, on_device(mask, k)].cpu()
-    return keys_of
-
-
 def on_device(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``t`` on ``like``'s device (itself when it is there already)."""
     return t.to(like.device, non_blocking=True)

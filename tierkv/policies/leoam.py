@@ -7,10 +7,6 @@ from .base import register
 from .quest import Quest
 
 
-def _no_keys(start: int, end: int) -> None:
-    return None
-
-
 @register
 class LeoAM(Quest):
     """Like ``quest``, on adaptive chunks: each layer ranks its tree's leaves by their estimated
@@ -49,7 +45,7 @@ class LeoAM(Quest):
         index = cache.index_of(layer)
         scores = self._unfetched_estimate(index, q[:, 0], k, leaves, scaling, cache.layer_length(layer))
         scores[positions] = probs.sum(dim=(0, 1)).cpu()
-        index.adapt(scores, leaves, self.select.sinks, _no_keys, self.max_leaf(cache))
+        index.adapt(scores, leaves, self.select.sinks, None, None, self.max_leaf(cache))
         return out
 
     @staticmethod

@@ -19,7 +19,7 @@ a token out is not outvoted by heads spread thin.
 import torch
 
 from ..attention import scored_decode_attention
-from .base import Policy, filter_layers_of, keys_lookup, register
+from .base import Policy, filter_layers_of, register
 
 # Proposed by `tierkv calibrate` for SmolLM2-135M (inter-layer attention similarity).
 DEFAULT_FILTERS = (2, 8, 16)
@@ -40,7 +40,9 @@ FILTER_RECORD_TOKENS = 32
 LEAF_MOVE_FACTOR = 1.5
 # Adaptive trees fold a filter layer's scores in every this many decode steps: the tree follows
 # where attention settles over steps. On SmolLM2 at 8K (3 selecting groups of 600-800 leaves,
-# ~80 splits per fold), a fold costs ~18 ms, 4.6 ms a step (splits applied one by one: 10.4).
+# ~80 splits per fold), a fold cost ~18 ms, 4.6 ms a step (splits applied one by one: 10.4);
+# with the split leaves' keys gathered and summarised in one pass (``ChunkTree.split_packed``),
+# ~4 ms per group folded, 3 ms a step (line profiler, 32 steps, 2026-11-27: 188 ms before).
 # Every 8 steps (``bench.decode``'s ``tierkv`` case, one process, alternate blocks of 8 steps,
 # 2026-11-27): 151.8 against 153.2 ms a token, top-1 agreement 0.953 against 0.969.
 ADAPT_EVERY = 4
@@ -144,7 +146,7 @@ class OmniKV(Policy):
         pending = self._to_adapt.pop(g, None)
         if pending is not None and cache.groups[g][0] == layer:
             scores, leaves = pending
-            cache.indexes[g].adapt(scores, leaves, self.select.sinks, keys_lookup(k, positions),
+            cache.indexes[g].adapt(scores, leaves, self.select.sinks, k, positions,
                                    self.max_leaf(cache))
 
     def _choose(self, cache, layer, token_mass, positions):
