@@ -1,9 +1,10 @@
 /* decode_attend: one query token's attention over a part of the keys, merged into a running
  * softmax state, reading 16-bit keys and values once (no fp32 copies of them).
  *
- * decode_attend(q, k, v, top, sum, out, B, g, n, d, kind)   all but the last five are addresses
+ * decode_attend(q, k, v, top, sum, out, B, g, n, d, kind[, stride])   the first six are addresses
  *
- *   q    fp32 (B, g, d), already scaled        k, v  (B, n, d) of `kind` (0 fp32, 1 fp16, 2 bf16)
+ *   q    fp32 (B, g, d), already scaled        k, v  (B, n, d) of `kind` (0 fp32, 1 fp16, 2 bf16),
+ *                                              row b at b * stride tokens (stride >= n, default n)
  *   top  fp32 (B, g): the running max logit    sum   fp32 (B, g): the running sum of exp(s - top)
  *   out  fp32 (B, g, d): the running sum of exp(s - top) * v
  *
@@ -146,29 +147,30 @@ weigh_avx2(const float *p, const char *v, size_t rb, Py_ssize_t n, Py_ssize_t d,
 
 AVX2 static inline __attribute__((always_inline)) void
 attend_avx2_g(const float *q, const char *k, const char *v, float *top, float *sum, float *out,
-              Py_ssize_t B, Py_ssize_t n, Py_ssize_t d, float *scores, const int G, const int kind)
+              Py_ssize_t B, Py_ssize_t n, Py_ssize_t stride, Py_ssize_t d, float *scores,
+              const int G, const int kind)
 {
     size_t rb = (size_t)d * (kind == KIND_F32 ? 4 : 2);
     for (Py_ssize_t b = 0; b < B; b++) {
-        const char *kb = k + (size_t)b * n * rb, *vb = v + (size_t)b * n * rb;
+        const char *kb = k + (size_t)b * stride * rb, *vb = v + (size_t)b * stride * rb;
         scores_avx2(q + b * G * d, kb, vb, rb, n, d, scores, G, kind);
         merge_avx2(scores, top + b * G, sum + b * G, out + b * G * d, G, n, d);
-        weigh_avx2(scores, vb, rb, n, d, out + b * G * d, G, kind, b + 1 < B ? kb + n * rb : NULL,
-                   n * rb);
+        weigh_avx2(scores, vb, rb, n, d, out + b * G * d, G, kind,
+                   b + 1 < B ? kb + stride * rb : NULL, n * rb);
     }
 }
 
 #define ATTEND_KIND(G)                                                                          \
     AVX2 static void attend_avx2_##G(const float *q, const char *k, const char *v, float *top,  \
                                      float *sum, float *out, Py_ssize_t B, Py_ssize_t n,         \
-                                     Py_ssize_t d, int kind, float *scores)                     \
+                                     Py_ssize_t stride, Py_ssize_t d, int kind, float *scores)  \
     {                                                                                           \
         if (kind == KIND_F16)                                                                   \
-            attend_avx2_g(q, k, v, top, sum, out, B, n, d, scores, G, KIND_F16);                \
+            attend_avx2_g(q, k, v, top, sum, out, B, n, stride, d, scores, G, KIND_F16);        \
         else if (kind == KIND_BF16)                                                             \
-            attend_avx2_g(q, k, v, top, sum, out, B, n, d, scores, G, KIND_BF16);               \
+            attend_avx2_g(q, k, v, top, sum, out, B, n, stride, d, scores, G, KIND_BF16);       \
         else                                                                                    \
-            attend_avx2_g(q, k, v, top, sum, out, B, n, d, scores, G, KIND_F32);                \
+            attend_avx2_g(q, k, v, top, sum, out, B, n, stride, d, scores, G, KIND_F32);        \
     }
 ATTEND_KIND(1)
 ATTEND_KIND(2)
@@ -180,7 +182,7 @@ ATTEND_KIND(7)
 ATTEND_KIND(8)
 
 typedef void (*attend_fn)(const float *, const char *, const char *, float *, float *, float *,
-                          Py_ssize_t, Py_ssize_t, Py_ssize_t, int, float *);
+                          Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t, int, float *);
 static const attend_fn ATTEND_AVX2[] = {NULL, attend_avx2_1, attend_avx2_2, attend_avx2_3,
                                         attend_avx2_4, attend_avx2_5, attend_avx2_6,
                                         attend_avx2_7, attend_avx2_8};
@@ -189,14 +191,17 @@ static const attend_fn ATTEND_AVX2[] = {NULL, attend_avx2_1, attend_avx2_2, atte
 
 PyObject *py_decode_attend(PyObject *self, PyObject *args)
 {
-    Py_ssize_t q, k, v, top, sum, out, B, g, n, d;
+    Py_ssize_t q, k, v, top, sum, out, B, g, n, d, stride = -1;
     int kind;
     (void)self;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnni", &q, &k, &v, &top, &sum, &out, &B, &g, &n, &d, &kind))
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnni|n", &q, &k, &v, &top, &sum, &out, &B, &g, &n, &d,
+                          &kind, &stride))
         return NULL;
-    if (!kernel_fits(B, g, d, kind) || n < 1) {
+    if (stride < 0)
+        stride = n;
+    if (!kernel_fits(B, g, d, kind) || n < 1 || stride < n) {
         PyErr_Format(PyExc_ValueError, "decode_attend: no kernel for B=%zd g=%zd n=%zd d=%zd "
-                     "kind=%d on this CPU", B, g, n, d, kind);
+                     "kind=%d stride=%zd on this CPU", B, g, n, d, kind, stride);
         return NULL;
     }
 #ifdef HAVE_AVX2_PATH
@@ -205,7 +210,7 @@ PyObject *py_decode_attend(PyObject *self, PyObject *args)
         return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS
     ATTEND_AVX2[g]((const float *)q, (const char *)k, (const char *)v, (float *)top, (float *)sum,
-                   (float *)out, B, n, d, kind, scores);
+                   (float *)out, B, n, stride, d, kind, scores);
     Py_END_ALLOW_THREADS
     free(scores);
 #endif

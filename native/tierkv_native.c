@@ -246,7 +246,7 @@ static PyMethodDef methods[] = {
      "Read lengths[i] bytes at offsets[i] of fd into out, back to back; return the total.\n"
      "OSError on a read error or end of file."},
     {"decode_attend", py_decode_attend, METH_VARARGS,
-     "decode_attend(q, k, v, top, sum, out, B, g, n, d, kind) -> None\n\n"
+     "decode_attend(q, k, v, top, sum, out, B, g, n, d, kind[, stride]) -> None\n\n"
      "Merge one part's attention into a running softmax state; addresses, checked by the caller\n"
      "(tierkv.attention.DecodeAccumulator)."},
     {"kernels_ready", py_kernels_ready, METH_NOARGS,

@@ -213,3 +213,36 @@ def test_blocks_that_keep_probabilities_stay_under_their_byte_cap(monkeypatch):
     out, mass = causal_attention(q, k, v, 0.25, 512, column_mass=True)
     assert rows == [3] * 6 + [2]
     assert torch.allclose(out.double(), ref, atol=1e-5) and torch.allclose(mass.double(), ref_mass, atol=1e-4)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_reads_strided_rows_in_place(dtype):
+    """``decode_attention`` on a CPU goes through the kernel, which reads a block's first
+    ``n`` tokens where they lie (each head's row ``room`` tokens after the last): the same
+    attention as SDPA over a copy. Rows that are not evenly apart are copied first."""
+    gen = torch.Generator().manual_seed(7)
+    block = torch.randn(3, 3, 300, 64, generator=gen).to(dtype)  # (layers, kv heads, room, dim)
+    values = torch.randn(3, 3, 300, 64, generator=gen).to(dtype)
+    q = torch.randn(9, 1, 64, generator=gen).to(dtype)
+    for k, v in ((block[1, :, :250], values[1, :, :250]),
+                 (block[:, 1, :250], values[:, 1, :250])):          # rows a layer apart
+        exact = torch.nn.functional.scaled_dot_product_attention(
+            q.float()[None], k.contiguous().float()[None], v.contiguous().float()[None],
+            scale=0.125, enable_gqa=True)[0]
+        got = decode_attention(q, k, v, 0.125)
+        assert got.dtype == dtype and got.shape == (9, 1, 64)
+        assert torch.allclose(got.float(), exact, rtol=1e-2 if dtype != torch.float32 else 1e-5,
+                              atol=1e-2 if dtype != torch.float32 else 1e-6)
+    uneven = block[:2, :2, :250], values[:2, :2, :250]  # a layer is 3 rows on, not 2
+    q = torch.randn(2, 6, 64, generator=gen)
+    whole, parts = DecodeAccumulator(q, 0.125, native=True), DecodeAccumulator(q, 0.125, native=False)
+    whole.add(*uneven)
+    parts.add(*(t.contiguous() for t in uneven))
+    assert torch.allclose(whole.result(), parts.result(), rtol=1e-4, atol=1e-5)
+
+
+@needs_native
+def test_the_kernel_refuses_rows_closer_than_their_tokens():
+    with pytest.raises(ValueError, match="stride=3"):
+        tierkv.kernels.decode_attend(0, 0, 0, 0, 0, 0, 2, 3, 4, 64, 0, 3)
