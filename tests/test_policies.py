@@ -384,7 +384,8 @@ def test_adapt_splits_the_leaves_whose_keys_are_all_at_hand(shuffled):
     positions = torch.cat([torch.arange(16, 24), torch.arange(40, 47)])  # 47 was not fetched
     if shuffled:
         positions = positions[torch.randperm(positions.numel(), generator=torch.Generator().manual_seed(1))]
-    index.adapt(scores, torch.arange(len(index)), 0, keys[:, positions], positions, 64)
+    at_hand = keys[:, positions]
+    index.adapt(scores, torch.arange(len(index)), 0, lambda i: at_hand[:, i], positions, 64)
     bounds = index.tree.bounds.tolist()
     assert 20 in bounds and 44 not in bounds and 40 in bounds
     leaf = bounds.index(16)
@@ -399,4 +400,5 @@ def test_adapt_refuses_positions_that_name_a_token_twice():
     scores[16:20] = 1.0
     positions = torch.tensor([17, 16, 18, 19, 20, 21, 22, 23, 17])
     with pytest.raises(ValueError, match="name a token twice"):
-        index.adapt(scores, torch.arange(len(index)), 0, keys[:, positions], positions, 64)
+        index.adapt(scores, torch.arange(len(index)), 0, lambda i: keys[:, positions][:, i],
+                    positions, 64)

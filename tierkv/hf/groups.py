@@ -147,14 +147,15 @@ class GroupIndex:
         return torch.sort(order[fits | forced[order]]).values
 
     def adapt(self, token_scores: torch.Tensor, chosen: torch.Tensor, sinks: int,
-              keys: torch.Tensor | None, positions: torch.Tensor | None, max_leaf: int) -> None:
+              keys_at, positions: torch.Tensor | None, max_leaf: int) -> None:
         """Fold one step's exact scores into the tree: cold runs merge, concentrated leaves split.
 
         token_scores : Tensor, shape (>= sealed,), attention mass per token (0 where unknown).
         chosen : LongTensor of the leaves fetched this step.
-        keys, positions : the keys at hand, shape (kv_heads, n, head_dim), and their tokens'
+        keys_at, positions : the keys at hand, ``index -> Tensor (kv_heads, len(index),
+            head_dim)`` on the CPU (``index`` a CPU LongTensor into them), and their tokens'
             positions, shape (n,) on the CPU; a split whose leaf's tokens are not all among them
-            is skipped (no split at all when ``keys`` is None).
+            is skipped (no split at all when ``keys_at`` is None).
         max_leaf : largest leaf a merge may make (a fraction of the fetch budget).
         """
         scores = token_scores[: self.sealed].clone()
@@ -162,8 +163,8 @@ class GroupIndex:
         selected = torch.zeros(len(self), dtype=torch.bool)
         selected[chosen] = True
         changes = self.tree.update(self.tree.mass_per_leaf(scores), selected, scores, max_leaf)
-        if changes.splits and keys is not None:
-            self.tree.split_packed(*_leaf_keys(changes.splits, keys, positions))
+        if changes.splits and keys_at is not None:
+            self.tree.split_packed(*_leaf_keys(changes.splits, keys_at, positions))
 
     def rewrite(self, store, keep=frozenset()) -> int:
         """Rewrite records to match the leaves (after merges/splits); returns records written.
@@ -202,9 +203,9 @@ def _leaf_starts(start: int, end: int, leaf_tokens: int | None) -> range:
     return range(start, end - leaf_tokens - (end - start) % leaf_tokens + 1, leaf_tokens)
 
 
-def _leaf_keys(splits, keys: torch.Tensor, positions: torch.Tensor):
-    """The ``splits`` whose leaves' tokens are all in ``keys`` (kv_heads, n, head_dim) at
-    ``positions`` (n,, distinct), and those leaves' keys one after another on the CPU
+def _leaf_keys(splits, keys_at, positions: torch.Tensor):
+    """The ``splits`` whose leaves' tokens are all among the keys at hand (``keys_at``, at
+    ``positions`` (n,, distinct)), and those leaves' keys one after another on the CPU
     (``ChunkTree.split_packed``'s arguments)."""
     order = None
     if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
@@ -224,8 +225,7 @@ def _leaf_keys(splits, keys: torch.Tensor, positions: torch.Tensor):
     index = _ranges(at[found], lens[found])
     if order is not None:
         index = order[index]
-    packed = keys.index_select(1, index.to(keys.device)).cpu()
-    return [splits[i] for i in found.tolist()], packed
+    return [splits[i] for i in found.tolist()], keys_at(index)
 
 
 def _ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:

@@ -89,6 +89,12 @@ def _is_index(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def keys_gather(k: torch.Tensor):
+    """``index -> k[:, index]`` on the CPU, from ``k`` (kv_heads, n, head_dim) on the device
+    (``index``, a CPU LongTensor of token indices into ``k``): one gather, one copy down."""
+    return lambda index: k.index_select(1, on_device(index, k)).cpu()
+
+
 def on_device(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``t`` on ``like``'s device (itself when it is there already)."""
     return t.to(like.device, non_blocking=True)

@@ -19,7 +19,7 @@ a token out is not outvoted by heads spread thin.
 import torch
 
 from ..attention import scored_decode_attention
-from .base import Policy, filter_layers_of, register
+from .base import Policy, filter_layers_of, keys_gather, register
 
 # Proposed by `tierkv calibrate` for SmolLM2-135M (inter-layer attention similarity).
 DEFAULT_FILTERS = (2, 8, 16)
@@ -146,7 +146,7 @@ class OmniKV(Policy):
         pending = self._to_adapt.pop(g, None)
         if pending is not None and cache.groups[g][0] == layer:
             scores, leaves = pending
-            cache.indexes[g].adapt(scores, leaves, self.select.sinks, k, positions,
+            cache.indexes[g].adapt(scores, leaves, self.select.sinks, keys_gather(k), positions,
                                    self.max_leaf(cache))
 
     def _choose(self, cache, layer, token_mass, positions):
