@@ -88,9 +88,9 @@ class TieredCache(Cache):
         default where the device is a GPU, whose copies run beside the compute; off on a CPU,
         where they take the cores the step computes on (``policies/tierkv.py``).
     decode_threads : torch's compute threads during a decode step (put back after it), or None
-        to leave them. On a CPU one fewer than torch's, at least one: the pipeline's copies
-        and reads take the core left (``bench.decode``'s 8K ``tierkv`` case, 2-core machine,
-        in one process: 93.7 ms a token on one thread against 97.2 on two).
+        to leave them. On a CPU one fewer than torch's when the cache was made, at least one:
+        the pipeline's copies and reads take the core left (``bench.decode``'s 8K ``tierkv``
+        case, 2-core machine, in one process: 93.7 ms a token on one thread against 97.2).
     """
 
     def __init__(self, model, config: TierConfig | None = None, policy: str = "tierkv", *,
