@@ -102,9 +102,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     q : Tensor, shape (q_heads, 1, head_dim); k, v : Tensor, shape (kv_heads, n, head_dim).
     Returns Tensor, shape (q_heads, 1, head_dim).
     """
-    if (kernels.decode_attend is not None and q.is_cpu and k.is_cpu and v.is_cpu and k.shape[1]
-            and k.dtype is v.dtype and q.shape[0] % k.shape[0] == 0
-            and kernels.fits(q.shape[0] // k.shape[0], k.shape[2], k.dtype)):
+    if q.is_cpu and k.shape[1] and _kernel_takes(q.shape[0], k, v):
         acc = DecodeAccumulator(q[:, 0], scaling, native=True)
         acc.add(k, v)
         return acc.result().to(q.dtype)
@@ -176,8 +174,7 @@ class DecodeAccumulator:
         """Attend to one part: ``k``, ``v`` of shape (..., kv_heads, n, head_dim), n >= 1, with
         q's leading dims; q_heads = kv_heads * g (query head ``h`` reads kv head ``h // g``)."""
         self._check(k, v)
-        if (self._native and k.is_cpu and v.is_cpu and k.dtype is v.dtype and v.shape == k.shape
-                and kernels.fits(self._q.shape[-2] // k.shape[-3], k.shape[-1], k.dtype)):
+        if self._native and _kernel_takes(self._q.shape[-2], k, v):
             self._add_native(k, v)
             return
         *lead, kv_heads, _, dim = k.shape
@@ -233,6 +230,15 @@ class DecodeAccumulator:
         kernels.decode_attend(self._q.data_ptr(), k.data_ptr(), v.data_ptr(), self._top.data_ptr(),
                               self._sum.data_ptr(), self._out.data_ptr(), rows, g, n, dim,
                               kernels.KINDS[k.dtype], stride)
+
+
+def _kernel_takes(q_heads: int, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the C kernel, built for this CPU, takes keys ``k`` and values ``v`` (...,
+    kv_heads, n, head_dim) for ``q_heads`` query heads: CPU tensors of one shape and dtype, in
+    the groups and head_dims it reads."""
+    return (kernels.decode_attend is not None and k.is_cpu and v.is_cpu and k.dtype is v.dtype
+            and v.shape == k.shape and q_heads % k.shape[-3] == 0
+            and kernels.fits(q_heads // k.shape[-3], k.shape[-1], k.dtype))
 
 
 def _row_stride(k: torch.Tensor, v: torch.Tensor) -> int | None:

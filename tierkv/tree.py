@@ -331,7 +331,8 @@ class ChunkTree(LeafRecords):
             raise ValueError(f"{requests[i]} does not match the current leaf "
                              f"[{int(bounds[leaf])}, {int(bounds[leaf + 1])})")
         if torch.unique(leaves).numel() != leaves.numel():
-            twice = next(i for i in leaves.tolist() if leaves.tolist().count(i) > 1)
+            named = leaves.tolist()
+            twice = next(i for i in named if named.count(i) > 1)
             raise ValueError(f"split requests name leaf {twice} more than once")
         return leaves
 

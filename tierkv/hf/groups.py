@@ -94,9 +94,8 @@ class GroupIndex:
         cuts = self.tree.record_cuts
         starts = cuts[indices]
         lens = cuts[indices + 1] - starts
-        offsets = torch.repeat_interleave(starts - torch.cumsum(lens, 0) + lens, lens)
-        tokens = int(lens.sum())
-        return Fetch(self.tree.handles(indices), torch.arange(tokens) + offsets, None, tokens)
+        positions = _ranges(starts, lens)
+        return Fetch(self.tree.handles(indices), positions, None, positions.numel())
 
     def bound_scores(self, q: torch.Tensor) -> torch.Tensor:
         """Ranking of the leaves by their LKA upper bound of ``q . k``: (m,), higher is better.

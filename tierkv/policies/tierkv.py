@@ -17,16 +17,19 @@ the transfers of a long context. Measured on SmolLM2 (layers 0 and 1 before filt
 
 A filter layer's candidates are ``PRESELECT_FACTOR`` x the token budget, and at least
 ``PRESELECT_FLOOR`` of the context: the bounds rank loosely, and what the filter layer does not
-score, no following layer attends. The layers before the first filter layer attend their own
-candidates only, so they take the token budget, as a selecting layer does. Measured with
-``bench.decode``'s 8K case (device 5 % / host 20 % of the KV, 10 % budget, 64 teacher-forced
-steps, 2026-11-27), the floor's 40 % of the context against 10 % and 5 % for layers 0 and 1:
-top-1 agreement 0.969 / 0.969 on the bench's document (seed 0), 0.812 / 0.812 / 0.812,
-0.844 / 0.844 / 0.844 and 0.906 / 0.906 / 0.891 on seeds 1-3; disk reads 3.9 against 3.1 MB a
-token; in one process decoding alternate blocks of 8 steps, 117.0 against 113.4 ms a token and
-123.9 against 114.8 (two runs; ``full_memory`` 131.7, 136.6). Measured with ``bench.quality``'s contexts (2K/4K/8K, 64 teacher-forced tokens
-each): at a 5 % budget, candidates of 4x (20 % of the context) gave top-1 agreement 0.719, 8x
-0.745 and the floor 0.755 (``omnikv``, scoring all of it: 0.771); at 10 %, all three gave 0.859.
+score, no following layer attends. Measured with ``bench.quality``'s contexts (2K/4K/8K, 64
+teacher-forced tokens each): at a 5 % budget, candidates of 4x (20 % of the context) gave top-1
+agreement 0.719, 8x 0.745 and the floor 0.755 (``omnikv``, scoring all of it: 0.771); at 10 %,
+all three gave 0.859.
+
+The layers before the first filter layer attend their own candidates only, so they take the
+token budget, as a selecting layer does. Measured with ``bench.decode``'s 8K case (device 5 % /
+host 20 % of the KV, 10 % budget, 64 teacher-forced steps, 2026-11-27), the floor's 40 % of the
+context against 10 % and 5 % for layers 0 and 1: top-1 agreement 0.969 / 0.969 on the bench's
+document (seed 0), 0.812 / 0.812 / 0.812, 0.844 / 0.844 / 0.844 and 0.906 / 0.906 / 0.891 on
+seeds 1-3; disk reads 3.9 against 3.1 MB a token; in one process decoding alternate blocks of 8
+steps, 117.0 against 113.4 ms a token and 123.9 against 114.8 (two runs; ``full_memory`` 131.7,
+136.6).
 
 The candidates also stay within what the device tier holds beside every layer's recent window,
 down to ``PRESELECT_MIN_FACTOR`` x the budget. A filter layer's candidates and the chunks it
