@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import tierkv.kernels
-from tierkv.attention import DecodeAccumulator, causal_attention, decode_attention
+from tierkv.attention import (DecodeAccumulator, causal_attention, decode_attention,
+                              recent_query_mass)
 
 needs_native = pytest.mark.skipif(tierkv.kernels.decode_attend is None,
                                   reason="tierkv._native's kernels are not built or not for this CPU")
@@ -246,3 +247,21 @@ def test_decode_attention_reads_strided_rows_in_place(dtype):
 def test_the_kernel_refuses_rows_closer_than_their_tokens():
     with pytest.raises(ValueError, match="stride=3"):
         tierkv.kernels.decode_attend(0, 0, 0, 0, 0, 0, 2, 3, 4, 64, 0, 3)
+
+
+@pytest.mark.parametrize("t,queries", [(40, 8), (5, 8), (1, 32)])
+def test_recent_query_mass_is_their_causal_softmax_summed(t, queries):
+    """The mass the last ``queries`` new queries pay each key: causal, GQA, rows of one."""
+    gen = torch.Generator().manual_seed(3)
+    q_heads, kv_heads, n, dim, scaling = 6, 2, 70, 16, 0.3
+    q = torch.randn(q_heads, t, dim, generator=gen)
+    k = torch.randn(kv_heads, n, dim, generator=gen)
+    got = recent_query_mass(q, k, scaling, queries)
+    want = torch.zeros(n)
+    for h in range(q_heads):
+        for i in range(max(0, t - queries), t):
+            seen = n - t + i + 1
+            want[:seen] += torch.softmax(q[h, i] @ k[h // (q_heads // kv_heads), :seen].T * scaling, 0)
+    assert got.shape == (n,) and got.dtype == torch.float32
+    assert torch.allclose(got, want, atol=1e-5)
+    assert got.sum().item() == pytest.approx(q_heads * min(t, queries), rel=1e-5)

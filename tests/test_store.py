@@ -72,6 +72,23 @@ def test_ties_spill_oldest(tmp_path, make_block):
         assert [store.where(_key(i)) for i in range(6)] == ["disk"] * 2 + ["host"] * 4
 
 
+def test_a_new_record_colder_than_the_host_goes_to_disk_itself(tmp_path, make_block, blocks_equal):
+    """A full host keeps its records when a less important one arrives (a prompt's records,
+    ranked by how much its last queries attended them, arrive in position order)."""
+    with _store(tmp_path) as store:
+        for i, imp in enumerate([0.4, 0.3, 0.5, 0.2]):
+            store.put(_key(i), make_block(_key(i)), importance=imp)
+        store.put(_key(4), make_block(_key(4)), importance=0.1)
+        assert store.where(_key(4)) == "disk"
+        assert [store.where(_key(i)) for i in range(4)] == ["host"] * 4
+        store.put(_key(5), make_block(_key(5)), importance=0.2)  # a tie: the older one spills
+        assert store.where(_key(3)) == "disk" and store.where(_key(5)) == "host"
+        store.put(_key(2), make_block(_key(6)), importance=0.0)  # held: rewritten in place
+        assert store.where(_key(2)) == "host"
+        assert all(blocks_equal(store.get(_key(i)), make_block(_key(i))) for i in (0, 1, 3, 4, 5))
+        assert blocks_equal(store.get(_key(2)), make_block(_key(6)))
+
+
 def test_no_disk_full_loses_nothing(tmp_path, make_block, blocks_equal):
     with _store(tmp_path, disk=False) as store:
         for i in range(4):

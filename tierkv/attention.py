@@ -72,6 +72,27 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     return out, mass
 
 
+def recent_query_mass(q: torch.Tensor, k: torch.Tensor, scaling: float, queries: int) -> torch.Tensor:
+    """Attention mass each of ``n`` keys gets from the last ``queries`` of ``t`` new queries
+    (query ``i`` at position ``n - t + i`` sees keys up to it), summed over those queries and all
+    query heads, each (head, query) row summing to one: Tensor (n,), fp32 (SnapKV's observation
+    window). One kv head at a time: at most ``group * queries * n`` scores at once.
+
+    q : Tensor, shape (q_heads, t, head_dim); k : Tensor, shape (kv_heads, n, head_dim).
+    """
+    heads, t, dim = q.shape
+    kv_heads, n, _ = k.shape
+    w, group = min(queries, t), heads // kv_heads
+    rows = torch.arange(n - w, n, device=q.device).unsqueeze(1)
+    hidden = torch.arange(n, device=q.device).unsqueeze(0) > rows  # (w, n): keys after the query
+    recent = q[:, t - w:].reshape(kv_heads, group * w, dim).float()
+    mass = torch.zeros(n, dtype=torch.float32, device=q.device)
+    for h in range(kv_heads):
+        scores = (recent[h] @ k[h].float().T).mul_(scaling).view(group, w, n)
+        mass += torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1).sum(dim=(0, 1))
+    return mass
+
+
 def _probs(q: torch.Tensor, k: torch.Tensor, scaling: float, allowed=None, bias=None) -> torch.Tensor:
     """Softmax probabilities in fp32, shape (kv_heads, group, t, n).
 

@@ -32,7 +32,7 @@ from ..storage.store import KVStore
 from .admit import check_args, claim_doc, device_need, on_model_device, sliding_window
 from .groups import Fetch, GroupIndex
 from .hooks import install, uninstall
-from .prefill import prefill_attention
+from .prefill import prefill_attention, prompt_ranks
 from .profile import check_profile, load_profile
 
 # Records of groups read whole every step rank above any step number: the host keeps them; the
@@ -157,8 +157,8 @@ class TieredCache(Cache):
         self._pinned: set[int] = set()  # groups whose records were sealed or read as PINNED
         self.token_ids = torch.zeros(1, 0, dtype=torch.long)
         self.snapshot: set | None = None  # disk records of the saved document this cache holds
-        self.prefill_blocks = None  # a group's sealed records on the host during a new prompt
-        self.prefill_ahead = None  # the next group's, being read (prefill.py)
+        self.prefill_blocks = self.prefill_ahead = None  # a group's records, the next's (prefill.py)
+        self.prompt_mass: dict[int, torch.Tensor] = {}  # layer -> its recent queries' attention
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-prefill")
 
     def _let_go(self) -> None:
@@ -241,8 +241,7 @@ class TieredCache(Cache):
             self.pipeline.cache.reserve(tag, nbytes)
         except TierFullError as exc:
             raise TierFullError(f"{exc}: {device_need(tag, self.shape.token_bytes(1))}; raise "
-                                "the device budget "
-                                "(TierConfig.device_budget, --device-budget)") from None
+                                "the device budget (TierConfig.device_budget, --device-budget)") from None
 
     def _decode(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         if layer == 0:
@@ -441,9 +440,10 @@ class TieredCache(Cache):
         bounds = [(s, s + step) for s in range(start, start + keys.shape[2], step)]
         records = index.add(bounds, keys[0], self.leaf_tokens[g])
         hot = self._importance(g)
-        for key, (s, e) in zip(records, bounds):
+        ranks = prompt_ranks(self, g, start, len(bounds), hot, ranked=hot != PINNED)
+        for key, (s, e), rank in zip(records, bounds, ranks):
             block = KVBlock(keys[:, :, s - start:e - start], values[:, :, s - start:e - start])
-            self.store.put(key, block, importance=hot)
+            self.store.put(key, block, importance=rank)
 
     # -- lifetime -----------------------------------------------------------------------
     def _install(self, model) -> None:

@@ -1,6 +1,8 @@
 """The importance order of a store's records: which host record spills first, which are cold.
 
-Decode ranks records by the last step that read them (``TieredCache._importance``). At 8K
+Decode ranks records by the last step that read them (``TieredCache._importance``); a prompt's
+records rank between the step before and the next, by the attention its last queries paid them
+(``hf/prefill.py``, ``prompt_ranks``). At 8K
 on the CPU (``bench.decode``'s ``tierkv`` case, host tier 20 % of the KV) a step reads
 ~644 records, 55 MB, of which 110-180 were not read the step before, and 40-117 come from disk
 (5-8 MB): most of those were read at some earlier step and left the host since, as they drift

@@ -1,8 +1,9 @@
 """KVStore: the device, host and disk tiers together, without a model.
 
 New records go to the host tier; when it is full the coldest host records (lowest importance,
-then oldest) spill to disk. A record is always in at least one tier: a spill writes the disk copy
-before it drops the host copy, and a failed disk write leaves the host copy where it was.
+then oldest) spill to disk, and a new record less important than every host record goes to disk
+itself. A record is always in at least one tier: a spill writes the disk copy before it drops the
+host copy, and a failed disk write leaves the host copy where it was.
 
 The codec of a disk write is, first match wins: the one given to ``put``; the config's when it
 names one (``CodecConfig.codec != "auto"``); the compression controller's choice, when one is
@@ -116,7 +117,9 @@ class KVStore:
         if block.nbytes > self.host.budget:
             self._to_disk(key, block)
             return
-        self._make_room(key, block.nbytes)
+        if not self._make_room(key, block.nbytes):
+            self._to_disk(key, block)
+            return
         try:
             self.host.put(key, block)
         except TierFullError:
@@ -153,19 +156,25 @@ class KVStore:
             raise ValueError(f"codec={codec!r} is lossy: the store's CodecConfig has "
                              "allow_lossy=False")
 
-    def _make_room(self, key: RecordKey, nbytes: int) -> None:
+    def _make_room(self, key: RecordKey, nbytes: int) -> bool:
+        """Spill host records no hotter than ``key`` (ties: the older first) until ``nbytes``
+        for it fit; False once only hotter ones are left (``key`` then goes to disk)."""
         need = nbytes - (self.host.size_of(key) if key in self.host else 0)
         if self.host.fits(need):
-            return
+            return True
         if self.disk is None:
             raise TierFullError(f"host tier full ({self.host.used} of {self.host.budget} B) and "
                                 "no disk tier configured")
         self._rerank()
+        importance = self._ranks.importance(key)
         while not self.host.fits(need):
             victim = self._ranks.coldest(self.host, exclude=key)
             if victim is None:
-                return
+                return True
+            if self._ranks.importance(victim) > importance:
+                return False
             self._spill(victim)
+        return True
 
     def _spill(self, key: RecordKey) -> None:
         if key in self._clean:  # promoted from disk: its disk copy is current
