@@ -219,12 +219,15 @@ def test_spill_from_the_host_asks_the_controller(tmp_path, make_block):
                                             **RATES)
     nbytes = make_block(_key(0)).nbytes
     with _store(tmp_path, controller=ctl, host=2 * nbytes) as store:
-        for i in (0, 1, 2):   # importance 5, 6, 0.1: the third put spills the coldest host
-            store.put(_key(i), make_block(_key(i)), importance=IMPORTANCE[i])   # record: 0,
-        assert store.where(_key(0)) == "disk" and store.where(_key(2)) == "host"  # not cold
-        assert store.disk.codec_of(_key(0)) == "zstd"
-        store.set_importance(_key(1), 0.05)                   # now the coldest of three
-        store.put(_key(3), make_block(_key(3)), importance=9.0)
+        for i in (0, 1, 2, 3):  # importance 5, 6, 0.1, 0.2: 2 and 3 colder than the full host
+            store.put(_key(i), make_block(_key(i)), importance=IMPORTANCE[i])
+        assert [store.where(_key(i)) for i in range(4)] == ["host", "host", "disk", "disk"]
+        assert [store.disk.codec_of(_key(i)) for i in (2, 3)] == ["int4", "int4"]  # cold
+        store.put(_key(4), make_block(_key(4)), importance=9.0)  # spills the coldest host
+        assert store.where(_key(0)) == "disk"                   # record: 0, not cold (3 of 5
+        assert store.disk.codec_of(_key(0)) == "zstd"           # rank at most as high)
+        store.set_importance(_key(1), 0.05)                     # now the coldest of all
+        store.put(_key(5), make_block(_key(5)), importance=9.0)
         assert store.where(_key(1)) == "disk" and store.disk.codec_of(_key(1)) == "int4"
 
 
