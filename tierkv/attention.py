@@ -35,6 +35,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
         own kernel does not materialise them (one 8K layer: 50 MB more peak RSS, where one
         block's scores are 151 MB), and a repeat would only cost a copy.
 
+    A CPU attends a whole prompt over no past (``n == t``, no ``column_mass``) in one causal
+    SDPA call instead: its kernel skips the blocks above the diagonal and needs no mask. One 8K
+    SmolLM2 layer on the 2-core machine: 543 ms against 662 in 512-query blocks (the outputs
+    equal), ~3.5 s of an 8K prompt's 38 s through ``TieredCache``.
+
     With ``column_mass`` the probabilities are materialised, so blocks hold at most
     ``MASS_BLOCK_BYTES`` of scores: one 32K-token SmolLM2 layer with 512-query blocks raised
     the peak RSS by 1.9 GB.
@@ -49,6 +54,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     if expand_gqa is None:
         expand_gqa = q.is_cuda
     repeat = heads // kv_heads if expand_gqa and heads != kv_heads else 1
+    if past == 0 and not column_mass and not q.is_cuda:
+        out = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                             is_causal=True, scale=scaling,
+                                             enable_gqa=kv_heads != heads)[0]
+        return out, None
     out = torch.empty_like(q)
     mass = torch.zeros(kv_heads, n, dtype=torch.float32, device=q.device) if column_mass else None
     if column_mass:
