@@ -1,9 +1,10 @@
-"""Layer-wise prefill: a layer's new tokens attend, in query blocks, over that layer's KV only.
+"""Layer-wise prefill: a layer's new tokens attend over that layer's KV only.
 
 transformers runs a prompt through the model one layer at a time; ``TieredCache`` makes each
-layer's attention exact and query-blocked, and seals the layer's KV into the tiers right after,
-so only one layer's KV (plus the recent windows) is on the device at once. Logits equal an
-ordinary prefill's up to floating-point summation order.
+layer's attention exact (in query blocks, or in one causal call for a first prompt on a CPU:
+``causal_attention``) and seals the layer's KV into the tiers right after, so only one layer's
+KV (plus the recent windows) is on the device at once. Logits equal an ordinary prefill's up to
+floating-point summation order.
 
 Where a disk tier is configured, each layer also weighs its KV by the attention of the prompt's
 last ``RECENT_QUERIES`` queries (SnapKV's observation window), and the records are sealed ranked
