@@ -51,14 +51,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     heads, t, dim = q.shape
     kv_heads, n, _ = k.shape
     past = n - t
-    if expand_gqa is None:
-        expand_gqa = q.is_cuda
-    repeat = heads // kv_heads if expand_gqa and heads != kv_heads else 1
     if past == 0 and not column_mass and not q.is_cuda:
         out = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                                              is_causal=True, scale=scaling,
                                              enable_gqa=kv_heads != heads)[0]
         return out, None
+    if expand_gqa is None:
+        expand_gqa = q.is_cuda
+    repeat = heads // kv_heads if expand_gqa and heads != kv_heads else 1
     out = torch.empty_like(q)
     mass = torch.zeros(kv_heads, n, dtype=torch.float32, device=q.device) if column_mass else None
     if column_mass:
@@ -90,16 +90,15 @@ def recent_query_mass(q: torch.Tensor, k: torch.Tensor, scaling: float, queries:
 
     q : Tensor, shape (q_heads, t, head_dim); k : Tensor, shape (kv_heads, n, head_dim).
     """
-    heads, t, dim = q.shape
+    heads, t, _ = q.shape
     kv_heads, n, _ = k.shape
     w, group = min(queries, t), heads // kv_heads
     rows = torch.arange(n - w, n, device=q.device).unsqueeze(1)
-    hidden = torch.arange(n, device=q.device).unsqueeze(0) > rows  # (w, n): keys after the query
-    recent = q[:, t - w:].reshape(kv_heads, group * w, dim).float()
+    allowed = torch.arange(n, device=q.device).unsqueeze(0) <= rows  # (w, n)
+    recent = q[:, t - w:]
     mass = torch.zeros(n, dtype=torch.float32, device=q.device)
     for h in range(kv_heads):
-        scores = (recent[h] @ k[h].float().T).mul_(scaling).view(group, w, n)
-        mass += torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1).sum(dim=(0, 1))
+        mass += _probs(recent[h * group:(h + 1) * group], k[h:h + 1], scaling, allowed).sum(dim=(0, 1, 2))
     return mass
 
 

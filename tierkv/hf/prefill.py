@@ -14,7 +14,7 @@ Before, a prompt's records all ranked alike and the host kept the last ones seal
 steps, both caches and ``full_memory`` decoding alternate blocks of 8 steps in one process,
 2026-11-27): the first step read 11.3 MB from disk against 33.9 and took 181 ms against 263;
 over the 64 steps 2.72 MB a token against 3.11 and 99.4 ms a token against 103.9 (``full_memory``
-114.1), top-1 agreement 0.969 either way. Ranking 32 queries over 8K tokens costs ~8 ms a layer.
+114.1), top-1 agreement 0.969 either way. Ranking 32 queries over 8K tokens costs ~8-9 ms a layer.
 """
 from __future__ import annotations
 
