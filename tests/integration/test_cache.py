@@ -1,6 +1,8 @@
 """TieredCache on the real model: exactness of the lossless path, budgets, retrieval, multi-turn."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -571,3 +573,42 @@ def test_decode_steps_compute_on_decode_threads_and_put_them_back(model_and_tok,
             assert cache.get_seq_length() == ids.shape[1] + 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_tree_folds_run_beside_their_group_and_a_failed_one_stops_the_step(model_and_tok,
+                                                                           passkey_cases,
+                                                                           monkeypatch):
+    """``tierkv`` folds a filter layer's scores into a selecting group's tree on the cache's
+    helper thread while the group's layers compute: every fold is done by the end of its forward
+    pass, the trees do change, and a fold that raises fails the forward pass it ran in."""
+    from tierkv.hf.groups import GroupIndex
+
+    model, _ = model_and_tok
+    ids, _ = passkey_cases[1]
+    threads, real = [], GroupIndex.adapt
+
+    def adapt(self, *args):
+        threads.append(threading.current_thread().name)
+        return real(self, *args)
+
+    monkeypatch.setattr(GroupIndex, "adapt", adapt)
+    config = TierConfig(device_budget="8MB", host_budget="1GB")
+    with TieredCache(model, config, "tierkv") as cache, torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        leaves = [len(index) for index in cache.indexes]
+        for token in ids[0, :12]:
+            model(token.view(1, 1), past_key_values=cache, use_cache=True)
+            assert not cache._folds
+        assert threads and all(name.startswith("tierkv-helper") for name in threads)
+        assert [len(index) for index in cache.indexes] != leaves
+
+        def broken(self, *args):
+            raise ValueError("fold failed")
+
+        monkeypatch.setattr(GroupIndex, "adapt", broken)
+        with pytest.raises(ValueError, match="fold failed"):
+            for token in ids[0, 12:24]:
+                model(token.view(1, 1), past_key_values=cache, use_cache=True)
+        with pytest.raises(RuntimeError, match=r"a forward pass failed part-way \(ValueError: "
+                                               r"fold failed\)"):
+            model(ids[:, -1:], past_key_values=cache, use_cache=True)

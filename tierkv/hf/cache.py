@@ -33,6 +33,7 @@ from .admit import check_args, claim_doc, device_need, on_model_device, sliding_
 from .groups import Fetch, GroupIndex
 from .hooks import install, uninstall
 from .prefill import prefill_attention, prompt_ranks
+from .window import RecentWindows
 from .profile import check_profile, load_profile
 
 # Records of groups read whole every step rank above any step number: the host keeps them; the
@@ -143,9 +144,9 @@ class TieredCache(Cache):
         self.metrics = Metrics()
         self.pipeline = Pipeline(self.store, self.device, threads=min(config.io_threads, 4),
                                  metrics=self.metrics, groups=len(self.groups))
-        empty = torch.zeros(self.shape.kv_heads, 0, self.shape.head_dim, dtype=self.shape.dtype)
         layers = range(self.shape.layers)
-        self._window = [(empty.to(self.device), empty.to(self.device)) for _ in layers]
+        self._window = RecentWindows(self.shape.layers, self.shape.kv_heads, self.shape.head_dim,
+                                     self.shape.dtype, self.device, self.reserve)
         self._pending: list[list[KVBlock]] = [[] for _ in layers]
         self._fresh = [False] * self.shape.layers
         self._step: dict = {}
@@ -159,7 +160,9 @@ class TieredCache(Cache):
         self.snapshot: set | None = None  # disk records of the saved document this cache holds
         self.prefill_blocks = self.prefill_ahead = None  # a group's records, the next's (prefill.py)
         self.prompt_mass: dict[int, torch.Tensor] = {}  # layer -> its recent queries' attention
-        self.reader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-prefill")
+        # the prefill's record reads ahead; decode's tree folds (``in_background``)
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-helper")
+        self._folds: dict = {}  # group -> its tree's fold running on ``reader`` (``in_background``)
 
     def _let_go(self) -> None:
         """Undo a construction that failed part-way: the model's attention, the threads, the
@@ -176,11 +179,8 @@ class TieredCache(Cache):
         """Append new K/V, shape (1, kv_heads, t, head_dim), to ``layer``'s recent window."""
         if key_states.shape[0] != 1:
             raise ValueError(f"TieredCache holds one sequence; got batch size {key_states.shape[0]}")
-        k, v = self._window[layer]
-        k = torch.cat([k, key_states[0].to(self.device, k.dtype)], dim=1)
-        v = torch.cat([v, value_states[0].to(self.device, v.dtype)], dim=1)
-        self._window[layer] = (k, v)
-        self.reserve(f"window:{layer}", k.nbytes + v.nbytes)
+        self._window.append(layer, key_states[0], value_states[0],
+                            self.spare_tokens(self.group_of[layer]))
         self._fresh[layer] = True
         return key_states, value_states
 
@@ -347,6 +347,11 @@ class TieredCache(Cache):
         self._step[("select", group)] = fetch
         self._chosen.append(group)
 
+    def in_background(self, group: int, fn, *args) -> None:
+        """Run ``fn(*args)``, work on ``group``'s index that its layers do not read (a tree
+        fold), on the cache's helper thread; waited for after the group's last layer."""
+        self._folds[group] = self.reader.submit(fn, *args)
+
     def compact(self) -> int:
         """Rewrite records to match merged/split chunks (idle work, never on the decode path);
         returns the number of records written."""
@@ -387,17 +392,11 @@ class TieredCache(Cache):
         known, wanted = self.policy.ahead(self, self.groups[g][0])
         if known:
             spec = self.indexes[g].fetch(wanted)
-            if not early or self._room() >= self._fetch_bytes(g, spec) + self._window_growth():
+            if not early or self._room() >= self._fetch_bytes(g, spec) + self._window.growth(
+                    [self.spare_tokens(self.group_of[i]) for i in range(self.shape.layers)]):
                 self.prefetch(g, spec)
         if g == 0 and not early:
             self.metrics.step_end()
-
-    def _window_growth(self) -> int:
-        """Device bytes the recent windows may still reserve before they are next cut: each
-        grows to at most ``spare_tokens`` of its group."""
-        per_token = self.shape.token_bytes(1)
-        return sum(max(0, self.spare_tokens(self.group_of[layer]) * per_token - k.nbytes - v.nbytes)
-                   for layer, (k, v) in enumerate(self._window))
 
     def _room(self) -> float:
         """Device-tier bytes a reservation could take now (free plus evictable cached records)."""
@@ -408,15 +407,14 @@ class TieredCache(Cache):
 
     def _after_attention(self, layer: int, decoding: bool) -> None:
         """Move ``layer``'s sealable window tokens to host; seal the group after its last layer."""
-        k, v = self._window[layer]
-        step = self.record_tokens[self.group_of[layer]]
-        movable = (k.shape[1] - self.select.window) // step * step
-        if movable > 0:
-            self._pending[layer].append(KVBlock(k[:, :movable].cpu(), v[:, :movable].cpu()))
-            self._window[layer] = (k[:, movable:].clone(), v[:, movable:].clone())
-            self.reserve(f"window:{layer}", 2 * self._window[layer][0].nbytes)
         g = self.group_of[layer]
+        step = self.record_tokens[g]
+        movable = (self._window[layer][0].shape[1] - self.select.window) // step * step
+        if movable > 0:
+            self._pending[layer].append(self._window.cut(layer, movable, self.spare_tokens(g)))
         last = layer == self.groups[g][-1]
+        if last and g in self._folds:
+            self._folds.pop(g).result()
         if last and self._step.pop(("fetch", g), None) is not None:
             self.store.device.reserve(f"fetch:{g}", 0)
         for chosen in self._chosen:
