@@ -481,3 +481,18 @@ def test_real_disk_corrupt_record_named(tmp_path):
             assert info.value.key == keys[-1]
             ok = pipe.submit(FetchPlan([(0, keys[:3])])).wait(0)
             assert_identical(ok, sync_reference(store, keys[:3]))
+
+
+def test_on_stream_runs_the_work_with_the_callers_stream_current():
+    """Work handed to another thread (a tree fold) runs there as called; on CUDA with the
+    decoding thread's stream current, so its kernels follow that thread's on the same tensors."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tierkv.pipeline.transfer import on_stream
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(on_stream, None, lambda a, b: a + b, 2, 3).result() == 5
+        if torch.cuda.is_available():
+            side = torch.cuda.Stream()
+            seen = pool.submit(on_stream, side, torch.cuda.current_stream).result()
+            assert seen == side

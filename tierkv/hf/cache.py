@@ -24,6 +24,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..config import ChunkConfig, SelectConfig, TierConfig
 from ..pipeline import CompressionController, FetchPlan, Metrics, Pipeline
+from ..pipeline.transfer import on_stream
 from ..policies import Policy, make_policy
 from ..shapes import KVShape
 from ..storage.base import KVBlock, TierFullError
@@ -33,8 +34,8 @@ from .admit import check_args, claim_doc, device_need, on_model_device, sliding_
 from .groups import Fetch, GroupIndex
 from .hooks import install, uninstall
 from .prefill import prefill_attention, prompt_ranks
-from .window import RecentWindows
 from .profile import check_profile, load_profile
+from .window import RecentWindows
 
 # Records of groups read whole every step rank above any step number: the host keeps them; the
 # others rank by the last step that read or sealed them, so the host caches what decode reads.
@@ -350,7 +351,8 @@ class TieredCache(Cache):
     def in_background(self, group: int, fn, *args) -> None:
         """Run ``fn(*args)``, work on ``group``'s index that its layers do not read (a tree
         fold), on the cache's helper thread; waited for after the group's last layer."""
-        self._folds[group] = self.reader.submit(fn, *args)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        self._folds[group] = self.reader.submit(on_stream, stream, fn, *args)
 
     def compact(self) -> int:
         """Rewrite records to match merged/split chunks (idle work, never on the decode path);

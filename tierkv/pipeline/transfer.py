@@ -113,6 +113,15 @@ class Transfer:
         return Delivery(block, event)
 
 
+def on_stream(stream: "torch.cuda.Stream | None", fn, *args):
+    """``fn(*args)`` with ``stream`` (a CUDA stream, or None) current, for work another thread
+    does on the decoding thread's tensors: its kernels then follow that thread's on them."""
+    if stream is None:
+        return fn(*args)
+    with torch.cuda.stream(stream):
+        return fn(*args)
+
+
 def _packed(parts: list[KVBlock], spare: int, device: torch.device) -> KVBlock:
     """The parts concatenated into a block with ``spare`` uninitialised tokens of room (one
     ``torch.cat`` for the keys, one for the values: no Python loop over the parts)."""
