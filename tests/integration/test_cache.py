@@ -575,6 +575,37 @@ def test_decode_steps_compute_on_decode_threads_and_put_them_back(model_and_tok,
         torch.set_num_threads(before)
 
 
+def test_a_forward_outside_no_grad_runs_without_autograd(model_and_tok, passkey_cases,
+                                                        monkeypatch):
+    """Called without ``torch.no_grad()`` (a hand-written decode loop), a forward pass through a
+    TieredCache runs without autograd: the prompt and ``tierkv``'s decode steps give the logits
+    they give under ``no_grad``, none carries a graph, and autograd's mode is back after each
+    pass, also after one that raised."""
+    model, _ = model_and_tok
+    ids = passkey_cases[2][0][:, :300]
+    config = TierConfig(device_budget="8MB", host_budget="1GB")
+    runs = []
+    for grad in (False, True):
+        with TieredCache(model, config, "tierkv") as cache, torch.set_grad_enabled(grad):
+            logits = [model(ids, past_key_values=cache, use_cache=True).logits[0, -1]]
+            for token in ids[0, :6]:
+                logits.append(model(token.view(1, 1), past_key_values=cache,
+                                    use_cache=True).logits[0, -1])
+            assert torch.is_grad_enabled() == grad
+            assert not any(step.requires_grad for step in logits)
+            runs.append(torch.stack(logits))
+    assert torch.equal(runs[0], runs[1])
+    with TieredCache(model, config, "tierkv") as cache:
+        model(ids, past_key_values=cache, use_cache=True)
+
+        def broken(*args):
+            raise RuntimeError("attention failed")
+        monkeypatch.setattr(cache.policy, "attend", broken)
+        with pytest.raises(RuntimeError, match="attention failed"):
+            model(ids[:, -1:], past_key_values=cache, use_cache=True)
+        assert torch.is_grad_enabled()
+
+
 def test_tree_folds_run_beside_their_group_and_a_failed_one_stops_the_step(model_and_tok,
                                                                            passkey_cases,
                                                                            monkeypatch):

@@ -141,7 +141,7 @@ class TieredCache(Cache):
         self.device = self.store.device.device
         self.fetch_ahead = self.device.type == "cuda"
         self.decode_threads = max(1, torch.get_num_threads() - 1) if self.device.type == "cpu" else None
-        self._threads_before = None  # torch's threads before this decode step changed them
+        self._before = None  # torch's threads and grad mode before a forward pass changed them
         self.metrics = Metrics()
         self.pipeline = Pipeline(self.store, self.device, threads=min(config.io_threads, 4),
                                  metrics=self.metrics, groups=len(self.groups))

@@ -47,7 +47,13 @@ def uninstall(cache) -> None:
 def begin_forward(cache, args, kwargs) -> None:
     """Refuse, before any layer runs, what ``cache`` would attend wrongly
     (``admit.check_forward``), or anything after a forward pass that failed part-way
-    (``check_whole``); a decode step (one new token) computes on ``cache.decode_threads``."""
+    (``check_whole``); a decode step (one new token) computes on ``cache.decode_threads``.
+
+    The forward pass runs without autograd, called under ``torch.no_grad()`` or not: the tiers
+    hold values, not graphs. With grad on, the records they held kept the prompt's whole graph
+    alive (3.7 GB more resident after 2K tokens of SmolLM2), and a ``tierkv`` decode step raised
+    from the middle of its selection (``cumsum(): functions with out=... arguments don't support
+    automatic differentiation``)."""
     cache.check_whole()
     new = check_forward(cache.get_seq_length(), cache.sliding_window, args, kwargs)
     threads = cache.decode_threads if new == 1 else None
@@ -56,17 +62,23 @@ def begin_forward(cache, args, kwargs) -> None:
         raise ValueError(f"TieredCache.decode_threads={threads!r}: expected a positive int, or "
                          "None to leave torch's threads as they are")
     cache._in_forward = True
+    cache._before = (torch.get_num_threads() if threads is not None else None,
+                     torch.is_grad_enabled())
     if threads is not None:
-        cache._threads_before = torch.get_num_threads()
         torch.set_num_threads(threads)
+    torch.set_grad_enabled(False)
 
 
 def end_forward(cache) -> None:
-    """Put back the compute threads a decode step changed (``TieredCache.decode_threads``),
-    whether the forward pass ended or raised."""
-    before, cache._threads_before = cache._threads_before, None
-    if before is not None:
-        torch.set_num_threads(before)
+    """Put back the compute threads a decode step changed (``TieredCache.decode_threads``) and
+    autograd's mode, whether the forward pass ended or raised."""
+    before, cache._before = cache._before, None
+    if before is None:
+        return
+    threads, grad = before
+    if threads is not None:
+        torch.set_num_threads(threads)
+    torch.set_grad_enabled(grad)
 
 
 def record_ids(cache, args) -> None:
