@@ -483,16 +483,25 @@ def test_real_disk_corrupt_record_named(tmp_path):
             assert_identical(ok, sync_reference(store, keys[:3]))
 
 
-def test_on_stream_runs_the_work_with_the_callers_stream_current():
-    """Work handed to another thread (a tree fold) runs there as called; on CUDA with the
-    decoding thread's stream current, so its kernels follow that thread's on the same tensors."""
+def test_work_on_another_thread_runs_as_the_caller_does():
+    """Work handed to another thread (a tree fold) runs there as called, with the caller's
+    inference mode and without autograd; on CUDA with the caller's stream current, so its
+    kernels follow the caller's on the same tensors."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tierkv.pipeline.transfer import on_stream
+    from tierkv.pipeline.transfer import as_caller
+
+    def modes():
+        return torch.is_inference_mode_enabled(), torch.is_grad_enabled()
 
     with ThreadPoolExecutor(1) as pool:
-        assert pool.submit(on_stream, None, lambda a, b: a + b, 2, 3).result() == 5
+        assert pool.submit(as_caller, None, False, lambda a, b: a + b, 2, 3).result() == 5
+        assert pool.submit(as_caller, None, True, modes).result() == (True, False)
+        assert pool.submit(as_caller, None, False, modes).result() == (False, False)
+        with torch.inference_mode():
+            made = torch.zeros(3)
+        assert pool.submit(as_caller, None, True, made.add_, 1).result().sum() == 3
         if torch.cuda.is_available():
             side = torch.cuda.Stream()
-            seen = pool.submit(on_stream, side, torch.cuda.current_stream).result()
+            seen = pool.submit(as_caller, side, False, torch.cuda.current_stream).result()
             assert seen == side

@@ -91,3 +91,14 @@ def test_a_window_set_from_outside_is_not_written_over():
     assert torch.equal(restored[0], tokens(2, 7)[0])  # the restored tensors stay as they were
     assert torch.equal(win[0][0], tokens(3, 7)[0])
     assert [k.shape[1] for k, _ in win] == [3, 0] and len(win) == 2
+
+
+def test_a_buffer_made_under_inference_mode_is_replaced_outside_it():
+    """A window grown under ``torch.inference_mode`` (one ``generate``) goes on growing outside
+    it (the next, under ``no_grad``): tensors made under it may not be written outside it."""
+    win, ledger = windows()
+    with torch.inference_mode():
+        win.append(0, *tokens(1), capacity=4)
+    win.append(0, *tokens(1, 1), capacity=4)
+    assert torch.equal(win[0][0], tokens(2)[0]) and not win[0][0].is_inference()
+    assert ledger.tags == {"window:0": 4 * TOKEN}

@@ -643,3 +643,21 @@ def test_tree_folds_run_beside_their_group_and_a_failed_one_stops_the_step(model
         with pytest.raises(RuntimeError, match=r"a forward pass failed part-way \(ValueError: "
                                                r"fold failed\)"):
             model(ids[:, -1:], past_key_values=cache, use_cache=True)
+
+
+def test_a_cache_goes_from_inference_mode_to_no_grad_and_back(model_and_tok, passkey_cases):
+    """One ``generate`` under ``torch.inference_mode``, the next under ``no_grad``, then a
+    forward pass with neither: the cache's buffers and the folds on its helper thread follow
+    each pass's mode (tensors made under inference mode may be written only under it)."""
+    model, _ = model_and_tok
+    ids = passkey_cases[4][0][:, :600]
+    config = TierConfig(device_budget="8MB", host_budget="1GB")
+    with TieredCache(model, config, "tierkv") as cache:
+        with torch.inference_mode():
+            out = model.generate(ids, past_key_values=cache, min_new_tokens=24, max_new_tokens=24,
+                                 do_sample=False)
+        with torch.no_grad():
+            out = model.generate(torch.cat([out, ids[:, :5]], 1), past_key_values=cache,
+                                 min_new_tokens=24, max_new_tokens=24, do_sample=False)
+        model(out[:, -1:], past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length() == out.shape[1]

@@ -24,7 +24,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..config import ChunkConfig, SelectConfig, TierConfig
 from ..pipeline import CompressionController, FetchPlan, Metrics, Pipeline
-from ..pipeline.transfer import on_stream
+from ..pipeline.transfer import as_caller
 from ..policies import Policy, make_policy
 from ..shapes import KVShape
 from ..storage.base import KVBlock, TierFullError
@@ -161,8 +161,7 @@ class TieredCache(Cache):
         self.snapshot: set | None = None  # disk records of the saved document this cache holds
         self.prefill_blocks = self.prefill_ahead = None  # a group's records, the next's (prefill.py)
         self.prompt_mass: dict[int, torch.Tensor] = {}  # layer -> its recent queries' attention
-        # the prefill's record reads ahead; decode's tree folds (``in_background``)
-        self.reader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-helper")
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-helper")  # prefill's reads
         self._folds: dict = {}  # group -> its tree's fold running on ``reader`` (``in_background``)
 
     def _let_go(self) -> None:
@@ -352,7 +351,8 @@ class TieredCache(Cache):
         """Run ``fn(*args)``, work on ``group``'s index that its layers do not read (a tree
         fold), on the cache's helper thread; waited for after the group's last layer."""
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        self._folds[group] = self.reader.submit(on_stream, stream, fn, *args)
+        self._folds[group] = self.reader.submit(as_caller, stream,
+                                                torch.is_inference_mode_enabled(), fn, *args)
 
     def compact(self) -> int:
         """Rewrite records to match merged/split chunks (idle work, never on the decode path);

@@ -55,7 +55,9 @@ class RecentWindows:
         k, v = self._windows[layer]
         n, t = k.shape[1], keys.shape[1]
         room = self._rooms[layer]
-        if room is None or n + t > room[0].shape[1]:
+        if room is None or n + t > room[0].shape[1] or (
+                room[0].is_inference() and not torch.is_inference_mode_enabled()):
+            # (a buffer made under torch.inference_mode may be written only under it)
             room = self._allocate(layer, k, v, n + t if t > 1 else max(n + t, capacity))
         room[0][:, n:n + t].copy_(keys)
         room[1][:, n:n + t].copy_(values)

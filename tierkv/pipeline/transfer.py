@@ -113,13 +113,16 @@ class Transfer:
         return Delivery(block, event)
 
 
-def on_stream(stream: "torch.cuda.Stream | None", fn, *args):
-    """``fn(*args)`` with ``stream`` (a CUDA stream, or None) current, for work another thread
-    does on the decoding thread's tensors: its kernels then follow that thread's on them."""
-    if stream is None:
-        return fn(*args)
-    with torch.cuda.stream(stream):
-        return fn(*args)
+def as_caller(stream: "torch.cuda.Stream | None", inference: bool, fn, *args):
+    """``fn(*args)`` on another thread as the decoding thread runs: with its CUDA ``stream``
+    current (None: no CUDA), so its kernels follow that thread's on the same tensors, in its
+    ``inference`` mode (``torch.inference_mode``, which is per thread: tensors made under it may
+    only be updated under it), and without autograd."""
+    with torch.inference_mode(inference), torch.no_grad():
+        if stream is None:
+            return fn(*args)
+        with torch.cuda.stream(stream):
+            return fn(*args)
 
 
 def _packed(parts: list[KVBlock], spare: int, device: torch.device) -> KVBlock:
