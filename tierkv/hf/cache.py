@@ -146,8 +146,9 @@ class TieredCache(Cache):
         self.pipeline = Pipeline(self.store, self.device, threads=min(config.io_threads, 4),
                                  metrics=self.metrics, groups=len(self.groups))
         layers = range(self.shape.layers)
-        self._window = RecentWindows(self.shape.layers, self.shape.kv_heads, self.shape.head_dim,
-                                     self.shape.dtype, self.device, self.reserve)
+        self._window = RecentWindows([self.spare_tokens(self.group_of[i]) for i in layers],
+                                     self.shape.kv_heads, self.shape.head_dim, self.shape.dtype,
+                                     self.device, self.reserve)
         self._pending: list[list[KVBlock]] = [[] for _ in layers]
         self._fresh = [False] * self.shape.layers
         self._step: dict = {}
@@ -179,8 +180,7 @@ class TieredCache(Cache):
         """Append new K/V, shape (1, kv_heads, t, head_dim), to ``layer``'s recent window."""
         if key_states.shape[0] != 1:
             raise ValueError(f"TieredCache holds one sequence; got batch size {key_states.shape[0]}")
-        self._window.append(layer, key_states[0], value_states[0],
-                            self.spare_tokens(self.group_of[layer]))
+        self._window.append(layer, key_states[0], value_states[0])
         self._fresh[layer] = True
         return key_states, value_states
 
@@ -394,8 +394,7 @@ class TieredCache(Cache):
         known, wanted = self.policy.ahead(self, self.groups[g][0])
         if known:
             spec = self.indexes[g].fetch(wanted)
-            if not early or self._room() >= self._fetch_bytes(g, spec) + self._window.growth(
-                    [self.spare_tokens(self.group_of[i]) for i in range(self.shape.layers)]):
+            if not early or self._room() >= self._fetch_bytes(g, spec) + self._window.growth():
                 self.prefetch(g, spec)
         if g == 0 and not early:
             self.metrics.step_end()
@@ -413,7 +412,7 @@ class TieredCache(Cache):
         step = self.record_tokens[g]
         movable = (self._window[layer][0].shape[1] - self.select.window) // step * step
         if movable > 0:
-            self._pending[layer].append(self._window.cut(layer, movable, self.spare_tokens(g)))
+            self._pending[layer].append(self._window.cut(layer, movable))
         last = layer == self.groups[g][-1]
         if last and g in self._folds:
             self._folds.pop(g).result()

@@ -18,18 +18,20 @@ Reserve = Callable[[str, int], None]  # TieredCache.reserve: account device byte
 
 
 class RecentWindows:
-    """The recent windows of ``layers`` layers; ``windows[layer]`` is (keys, values), each of
-    shape (kv_heads, n, head_dim) on ``device``.
+    """The recent windows of ``len(capacity)`` layers; ``windows[layer]`` is (keys, values),
+    each of shape (kv_heads, n, head_dim) on ``device``.
 
     A window is a prefix of its layer's buffer (``room``) when it has one; buffers are reserved
-    with ``reserve`` under ``window:<layer>`` at their full size.
+    with ``reserve`` under ``window:<layer>`` at their full size. ``capacity[layer]``: the tokens
+    a layer's window grows to in decode before it is next cut (the cache's ``spare_tokens``).
     """
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+    def __init__(self, capacity: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, reserve: Reserve):
         empty = torch.zeros(kv_heads, 0, head_dim, dtype=dtype, device=device)
-        self._windows = [(empty, empty) for _ in range(layers)]
-        self._rooms: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layers
+        self._windows = [(empty, empty) for _ in capacity]
+        self._rooms: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(capacity)
+        self._capacity = list(capacity)
         self._reserve = reserve
 
     def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,11 +48,11 @@ class RecentWindows:
     def __len__(self) -> int:
         return len(self._windows)
 
-    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append ``keys``/``values``, shape (kv_heads, t, head_dim), to ``layer``'s window.
 
         Written in place while the buffer has room; otherwise a new buffer of ``max(n + t,
-        capacity)`` tokens (``n + t`` when t > 1: a prompt's window is cut right after) is
+        capacity[layer])`` tokens (``n + t`` when t > 1: a prompt's window is cut right after) is
         reserved first (TierFullError changes nothing) and the window copied into it."""
         k, v = self._windows[layer]
         n, t = k.shape[1], keys.shape[1]
@@ -58,19 +60,20 @@ class RecentWindows:
         if room is None or n + t > room[0].shape[1] or (
                 room[0].is_inference() and not torch.is_inference_mode_enabled()):
             # (a buffer made under torch.inference_mode may be written only under it)
-            room = self._allocate(layer, k, v, n + t if t > 1 else max(n + t, capacity))
+            tokens = n + t if t > 1 else max(n + t, self._capacity[layer])
+            room = self._allocate(layer, k, v, tokens)
         room[0][:, n:n + t].copy_(keys)
         room[1][:, n:n + t].copy_(values)
         self._windows[layer] = (room[0][:, :n + t], room[1][:, :n + t])
 
-    def cut(self, layer: int, tokens: int, capacity: int) -> KVBlock:
+    def cut(self, layer: int, tokens: int) -> KVBlock:
         """Take ``layer``'s first ``tokens`` window tokens out, as a block on the CPU; the rest
-        moves to a new buffer of ``capacity`` tokens (at least the rest), so the taken tokens'
-        memory is never written again (on a CPU the block is a view of it, not a copy)."""
+        moves to a new buffer of ``capacity[layer]`` tokens (at least the rest), so the taken
+        tokens' memory is never written again (on a CPU the block is a view of it, not a copy)."""
         k, v = self._windows[layer]
         taken = KVBlock(k[:, :tokens].cpu(), v[:, :tokens].cpu())
         rest_k, rest_v = k[:, tokens:], v[:, tokens:]
-        room = self._allocate(layer, rest_k, rest_v, max(rest_k.shape[1], capacity))
+        room = self._allocate(layer, rest_k, rest_v, max(rest_k.shape[1], self._capacity[layer]))
         self._windows[layer] = (room[0][:, :rest_k.shape[1]], room[1][:, :rest_k.shape[1]])
         return taken
 
@@ -80,11 +83,11 @@ class RecentWindows:
         k, v = self._windows[layer] if room is None else room
         return k.nbytes + v.nbytes
 
-    def growth(self, capacity: list[int]) -> int:
+    def growth(self) -> int:
         """Device bytes the windows may still reserve before they are next cut, each growing to
-        ``capacity[layer]`` tokens."""
+        its ``capacity``."""
         total = 0
-        for layer, tokens in enumerate(capacity):
+        for layer, tokens in enumerate(self._capacity):
             k = self._windows[layer][0]
             total += max(0, 2 * k.shape[0] * tokens * k.shape[2] * k.element_size()
                          - self.held_bytes(layer))
