@@ -118,14 +118,18 @@ def paired_speed(model, plain, ids, ref, steps: int, policy: str, device: int, h
     """ms/token of ``full_memory`` and ``policy`` decoded in alternating blocks of ``block``
     steps, both caches live, so that a change in the machine's speed during the run weighs on
     both alike (``speedup_vs_full_memory`` comes from here). ``plain`` is a second instance of
-    the model for ``full_memory``: a live TieredCache routes ``model``'s attention through it."""
+    the model for ``full_memory``: a live TieredCache routes ``model``'s attention through it.
+    ``block_speedups``: the ratio of each pair of blocks (``full_memory``'s, then ``policy``'s
+    on the same tokens), which shows how far the machine's speed moved within the run."""
     full, tiered = DynamicCache(), new_cache(model, policy, device, host, disk_dir)
     try:
-        ms = alternate([("full_memory", plain, full), (policy, model, tiered)], ids, ref, steps,
-                       block)["ms_per_token"]
+        out = alternate([("full_memory", plain, full), (policy, model, tiered)], ids, ref, steps,
+                        block)
     finally:
         tiered.close()
-    return {"ms_per_token": ms, "speedup": ms["full_memory"] / ms[policy], "block_steps": block}
+    ms, blocks = out["ms_per_token"], out["block_ms"]
+    return {"ms_per_token": ms, "speedup": ms["full_memory"] / ms[policy], "block_steps": block,
+            "block_speedups": [f / t for f, t in zip(blocks["full_memory"], blocks[policy])]}
 
 
 @torch.no_grad()
@@ -153,7 +157,7 @@ def paired_ahead(models, ids, ref, steps: int, device: int, host: int, root: Pat
 def alternate(runs, ids, ref, steps: int, block: int) -> dict:
     """Prefill ``ids`` into each of ``runs`` (name, model, cache) (a TieredCache's disk pages
     dropped after), then feed each ``ref[i]`` for ``steps`` steps, ``block`` steps per turn:
-    ms/token and top-1 agreement with ``ref[i + 1]`` per name."""
+    ms/token, top-1 agreement with ``ref[i + 1]`` and ms/token of each block, per name."""
     for _, net, cache in runs:
         net(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         if isinstance(cache, TieredCache):
@@ -167,7 +171,9 @@ def alternate(runs, ids, ref, steps: int, block: int) -> dict:
                 seconds[name].append(took)
                 agree[name] += int(logits[0, -1].argmax() == ref[i + 1])
     return {"ms_per_token": {name: 1e3 * sum(s) / len(s) for name, s in seconds.items()},
-            "top1_agreement": {name: hits / steps for name, hits in agree.items()}}
+            "top1_agreement": {name: hits / steps for name, hits in agree.items()},
+            "block_ms": {name: [1e3 * sum(s[i:i + block]) / len(s[i:i + block])
+                                for i in range(0, len(s), block)] for name, s in seconds.items()}}
 
 
 def new_cache(model, policy: str, device: int, host: int, disk_dir: Path) -> TieredCache:

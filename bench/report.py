@@ -9,6 +9,7 @@ missing is skipped; one without a renderer is listed by name.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -130,6 +131,10 @@ def decode_rows(d: dict) -> list[tuple]:
     how = ("paired run, alternating blocks of {} steps: {} / {} ms/token".format(
         paired.get("block_steps"), *(fmt(v) for v in paired["ms_per_token"].values()))
         if paired.get("ms_per_token") else "full_memory ms/token / tierkv ms/token")
+    blocks = sorted(paired.get("block_speedups") or ())
+    if blocks:
+        how += "; pairs of blocks {}-{} (median {})".format(
+            fmt(blocks[0]), fmt(blocks[-1]), fmt(statistics.median(blocks)))
     rows = [("speedup vs full_memory", d.get("speedup_vs_full_memory"), how),
             ("speedup vs brute_offload", d.get("speedup_vs_brute_offload"), "brute_offload ms/token / tierkv ms/token"),
             ("tierkv disk read frac", d.get("disk_read_frac"), "disk bytes read per token / whole KV bytes")]

@@ -64,6 +64,10 @@ def test_alternate_runs_blocks_in_turn_and_scores_each_run():
         + ["wrong"] * 2 + ["right", "wrong"]
     assert out["top1_agreement"] == {"right": 1.0, "wrong": 0.0}
     assert set(out["ms_per_token"]) == {"right", "wrong"}
+    for name in ("right", "wrong"):  # blocks of 2, 2 and 1 steps
+        blocks = out["block_ms"][name]
+        assert len(blocks) == 3 and all(ms > 0 for ms in blocks)
+        assert sum(blocks[:2]) * 2 + blocks[2] == pytest.approx(5 * out["ms_per_token"][name])
 
 
 def test_a_tier_full_error_raises_the_budget_by_its_shortfall_or_a_tenth():

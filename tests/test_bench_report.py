@@ -14,6 +14,8 @@ def fake_results() -> dict:
         "storage": {"machine": MACHINE, "raw_read_gbps": 1.5, "record_read_gbps": 1.2,
                     "read_ratio": 0.8, "write_ratio": 0.9},
         "decode": {"machine": MACHINE, "speedup_vs_full_memory": 0.5, "speedup_vs_brute_offload": 3.0,
+                   "paired": {"ms_per_token": {"full_memory": 10.0, "tierkv": 20.0}, "block_steps": 8,
+                              "block_speedups": [0.52, 0.45, 0.5, 0.6]},
                    "disk_read_frac": 0.02, "config": {"tokens": 2048, "steps": 16, "kv_bytes": 1000,
                                                       "device_budget_frac": 0.05, "host_budget_frac": 0.2},
                    "cases": {"full_memory": {"ms_per_token": 10.0, "top1_agreement": 1.0,
@@ -39,6 +41,8 @@ def test_render_rows_and_machine():
     assert lines[0] == "| benchmark | figure | value | meaning |"
     assert "| storage | read ratio | 0.8 |" in table
     assert "| decode | speedup vs brute_offload | 3 |" in table
+    assert "| decode | speedup vs full_memory | 0.5 | paired run, alternating blocks of 8 steps: " \
+           "10 / 20 ms/token; pairs of blocks 0.45-0.6 (median 0.51) |" in table
     assert "| decode | h2o | - | error: TierFullError: boom |" in table
     assert "| decode | tierkv top1 | 0.9 | 5 ms/token, 1 MB disk/token, stall 0.1, device tier 0.056 " \
            "of the KV (raised after TierFullError) |" in table

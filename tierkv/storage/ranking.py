@@ -34,6 +34,14 @@ class Ranking:
     O(distinct importances) to ask). Decode re-ranks hundreds of records a step and asks only
     when a record is written to disk; a sorted list of every rank (O(n) memmove per change) cost
     3.6 ms per 650 re-ranks among 15,000 records, ~10 ms of a fetch thread's step at 8K.
+
+    Tried and not kept (2026-11-27): raising a layer group's read as one batch (one importance
+    for all: ``dict.update``, ``collections.Counter``, a loop of ``heappush``), with levels left
+    empty deleted in bulk. Alone (8 groups x 75 reads among 15,200 records a step): 2.05 against
+    2.3 ms a step; of that, heap pushes 1.2 and heap rebuilds (``_compact``) 1.2. In
+    ``bench.decode``'s 8K case the helper thread's CPU for the re-ranks fell from 2.2 to 1.2 ms
+    a step, and the step was no faster: one cache decoding alternate blocks of 8 steps with
+    each, 85.4 (batched) against 86.3 ms a token, and 88.6 with no re-ranking at all.
     """
 
     def __init__(self):
