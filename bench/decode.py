@@ -15,8 +15,9 @@ are kept (``ms_per_token_runs``) and ``full_memory_drift`` (last / first) says h
 machine's speed moved during the run (on this VM it has moved by up to 1.76x in 20 minutes).
 ``speedup_vs_full_memory`` therefore comes from a paired run: ``full_memory`` and ``tierkv``
 (at the device budget its own case ended with) decode the same tokens in alternating blocks of
-``PAIR_BLOCK`` steps, both caches live, so a change of machine speed weighs on both alike; the
-ratio of the separate cases is kept as ``speedup_vs_full_memory_unpaired``.
+``PAIR_BLOCK`` steps (every other round in reverse order), both caches live, so a change of
+machine speed weighs on both alike; the ratio of the separate cases is kept as
+``speedup_vs_full_memory_unpaired``.
 
 Each case is fed full_memory's greedy tokens (teacher forcing, so positions align);
 ``top1_agreement`` is the share of steps whose argmax equals full_memory's. The page cache of the
@@ -157,15 +158,21 @@ def paired_ahead(models, ids, ref, steps: int, device: int, host: int, root: Pat
 def alternate(runs, ids, ref, steps: int, block: int) -> dict:
     """Prefill ``ids`` into each of ``runs`` (name, model, cache) (a TieredCache's disk pages
     dropped after), then feed each ``ref[i]`` for ``steps`` steps, ``block`` steps per turn:
-    ms/token, top-1 agreement with ``ref[i + 1]`` and ms/token of each block, per name."""
+    ms/token, top-1 agreement with ``ref[i + 1]`` and ms/token of each block, per name.
+
+    Every other round takes the runs in reverse order (A B, B A, A B, ...), so that each run's
+    blocks follow another run's as often as its own: decoding one cache with variants switched
+    block by block, the block right after ``full_memory``'s was 2-5 ms a token slower in median
+    than the blocks after it (2026-11-27), and always putting one run there would charge that
+    to it alone."""
     for _, net, cache in runs:
         net(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         if isinstance(cache, TieredCache):
             drop_disk(cache)
     seconds = {name: [] for name, _, _ in runs}
     agree = {name: 0 for name, _, _ in runs}
-    for start in range(0, steps, block):
-        for name, net, cache in runs:
+    for turn, start in enumerate(range(0, steps, block)):
+        for name, net, cache in (runs if turn % 2 == 0 else runs[::-1]):
             for i in range(start, min(start + block, steps)):
                 logits, took = timed_step(net, cache, ref[i])
                 seconds[name].append(took)

@@ -44,7 +44,7 @@ def test_comparing_fetch_ahead_needs_the_tierkv_case(capsys):
 
 def test_alternate_runs_blocks_in_turn_and_scores_each_run():
     """Each run is prefilled, then fed the reference tokens ``block`` steps at a time, the runs
-    taking turns; a run's agreement is the share of steps whose argmax is the next token."""
+    taking turns (every other round in reverse order); a run's agreement is the share of steps whose argmax is the next token."""
     calls = []
 
     def net_of(name, guess):
@@ -60,8 +60,9 @@ def test_alternate_runs_blocks_in_turn_and_scores_each_run():
             ("wrong", net_of("wrong", lambda t: 0), None)]
     out = decode.alternate(runs, torch.zeros(1, 3, dtype=torch.long), ref, steps=5, block=2)
     assert [name for name, n in calls if n == 3] == ["right", "wrong"]  # the prefills
-    assert [name for name, n in calls if n == 1] == ["right"] * 2 + ["wrong"] * 2 + ["right"] * 2 \
-        + ["wrong"] * 2 + ["right", "wrong"]
+    # rounds of 2 steps each, every other round in reverse order
+    assert [name for name, n in calls if n == 1] == ["right"] * 2 + ["wrong"] * 2 + ["wrong"] * 2 \
+        + ["right"] * 2 + ["right", "wrong"]
     assert out["top1_agreement"] == {"right": 1.0, "wrong": 0.0}
     assert set(out["ms_per_token"]) == {"right", "wrong"}
     for name in ("right", "wrong"):  # blocks of 2, 2 and 1 steps
