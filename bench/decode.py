@@ -120,8 +120,9 @@ def paired_speed(model, plain, ids, ref, steps: int, policy: str, device: int, h
     steps, both caches live, so that a change in the machine's speed during the run weighs on
     both alike (``speedup_vs_full_memory`` comes from here). ``plain`` is a second instance of
     the model for ``full_memory``: a live TieredCache routes ``model``'s attention through it.
-    ``block_speedups``: the ratio of each pair of blocks (``full_memory``'s, then ``policy``'s
-    on the same tokens), which shows how far the machine's speed moved within the run."""
+    ``block_speedups``: the ratio of each pair of blocks (``full_memory``'s ms/token over
+    ``policy``'s, on the same tokens), which shows how far the machine's speed moved within the
+    run."""
     full, tiered = DynamicCache(), new_cache(model, policy, device, host, disk_dir)
     try:
         out = alternate([("full_memory", plain, full), (policy, model, tiered)], ids, ref, steps,
