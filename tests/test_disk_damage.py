@@ -150,6 +150,22 @@ def _snapshot(path):
     return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
 
 
+def test_a_manifest_whose_version_damage_made_newer_is_repaired_not_refused(tmp_path, make_block,
+                                                                            blocks_equal):
+    """A bit flipped in the version ('1' to '5') leaves the manifest's crc32 failing: damage,
+    set aside and rebuilt from the segments, not a newer build's directory to refuse."""
+    with DiskTier(tmp_path / "d") as tier:
+        tier.put(_key(), make_block(_key()))
+    path = tmp_path / "d" / MANIFEST
+    data = path.read_bytes()
+    at = data.index(b'"version":"1"') + len(b'"version":"')
+    path.write_bytes(data[:at] + b"5" + data[at + 1:])
+    with DiskTier(tmp_path / "d") as tier:
+        assert tier.open_report["manifest"] != "ok"
+        assert blocks_equal(tier.get(_key()), make_block(_key()))
+    assert list((tmp_path / "d").glob("manifest.corrupt-*"))  # kept as evidence
+
+
 def test_a_newer_format_is_refused_and_left_as_it_is(tmp_path, make_block, monkeypatch):
     """Records or a manifest a newer tierkv wrote: opening refuses with NewerFormatError and
     changes nothing (no tail cut, no manifest set aside), torn tail or not; an impossible older
