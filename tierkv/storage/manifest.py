@@ -139,11 +139,16 @@ def check_index(index: dict[str, list[int]], docs: list[str]) -> None:
                                        f"codec {index['codec'][row]} is out of range")
 
 
+def _names_newer(info) -> bool:
+    """Whether manifest metadata ``info`` names a version newer than this build's."""
+    return isinstance(info, dict) and str(info.get("version")).isdigit() \
+        and int(info["version"]) > int(VERSION)
+
+
 def _refuse_newer(info, tensors: dict[str, torch.Tensor]) -> None:
     """NewerFormatError when ``info`` names a newer version and its crc32 holds (module
     docstring); a newer version whose crc32 fails is left to the caller to report as damage."""
-    if isinstance(info, dict) and str(info.get("version")).isdigit() \
-            and int(info["version"]) > int(VERSION) and info.get("crc") == str(_crc(info, tensors)):
+    if _names_newer(info) and info.get("crc") == str(_crc(info, tensors)):
         raise NewerFormatError.of("manifest", info["version"], VERSION)
 
 
@@ -174,8 +179,7 @@ def refuse_newer_manifest(dir_fd: int) -> None:
             info = json.loads(head).get("__metadata__")
         except (ValueError, AttributeError):
             return
-        if not (isinstance(info, dict) and str(info.get("version")).isdigit()
-                and int(info["version"]) > int(VERSION)):
+        if not _names_newer(info):
             return  # not newer: read in full (and checked) by ``read_manifest``
         size = os.fstat(fd).st_size
         data = os.pread(fd, size, 0) if size <= MAX_MANIFEST else b""
