@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import re
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -180,7 +181,7 @@ def alternate(runs, ids, ref, steps: int, block: int) -> dict:
                 agree[name] += int(logits[0, -1].argmax() == ref[i + 1])
     return {"ms_per_token": {name: 1e3 * sum(s) / len(s) for name, s in seconds.items()},
             "top1_agreement": {name: hits / steps for name, hits in agree.items()},
-            "block_ms": {name: [1e3 * sum(s[i:i + block]) / len(s[i:i + block])
+            "block_ms": {name: [1e3 * statistics.fmean(s[i:i + block])
                                 for i in range(0, len(s), block)] for name, s in seconds.items()}}
 
 

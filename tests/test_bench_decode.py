@@ -44,7 +44,8 @@ def test_comparing_fetch_ahead_needs_the_tierkv_case(capsys):
 
 def test_alternate_runs_blocks_in_turn_and_scores_each_run():
     """Each run is prefilled, then fed the reference tokens ``block`` steps at a time, the runs
-    taking turns (every other round in reverse order); a run's agreement is the share of steps whose argmax is the next token."""
+    taking turns (every other round in reverse order); a run's agreement is the share of steps
+    whose argmax is the next token."""
     calls = []
 
     def net_of(name, guess):
