@@ -277,8 +277,6 @@ def test_a_cut_tail_is_kept_unless_it_is_a_torn_append(tmp_path, make_block, blo
 def test_read_only_open_changes_nothing(tmp_path, make_block, blocks_equal):
     """``read_only=True`` (tierkv inspect): a torn tail is reported, not cut; a damaged manifest
     is reported, not set aside; no lock file appears; the records read back; writes raise."""
-    from tierkv.storage import StorageError
-
     a, b = _key("a"), _key("b")
     with DiskTier(tmp_path, codec=CodecConfig("raw")) as tier:
         tier.put(a, make_block(a))
