@@ -41,8 +41,9 @@ def test_render_rows_and_machine():
     assert lines[0] == "| benchmark | figure | value | meaning |"
     assert "| storage | read ratio | 0.8 |" in table
     assert "| decode | speedup vs brute_offload | 3 |" in table
-    assert "| decode | speedup vs full_memory | 0.5 | paired run, alternating blocks of 8 steps: " \
-           "10 / 20 ms/token; pairs of blocks 0.45-0.6 (median 0.51) |" in table
+    assert "| decode | speedup vs full_memory | 0.5 | paired run, alternating blocks of 8 " \
+           "steps, every other round reversed: 10 / 20 ms/token; pairs of blocks 0.45-0.6 " \
+           "(median 0.51) |" in table
     assert "| decode | h2o | - | error: TierFullError: boom |" in table
     assert "| decode | tierkv top1 | 0.9 | 5 ms/token, 1 MB disk/token, stall 0.1, device tier 0.056 " \
            "of the KV (raised after TierFullError) |" in table
