@@ -53,7 +53,14 @@ def begin_forward(cache, args, kwargs) -> None:
     hold values, not graphs. With grad on, the records they held kept the prompt's whole graph
     alive (3.7 GB more resident after 2K tokens of SmolLM2), and a ``tierkv`` decode step raised
     from the middle of its selection (``cumsum(): functions with out=... arguments don't support
-    automatic differentiation``)."""
+    automatic differentiation``).
+
+    Which cores the step's threads run on is left to the scheduler. The decoding thread pinned
+    to one core and the cache's threads to the other for each step (``os.sched_setaffinity``)
+    was tried on the 2-core CPU (``bench.decode``'s 8K ``tierkv`` case, one cache decoding
+    alternate blocks of 8 steps with and without, three runs, 2026-11-28): median steps 2.8,
+    2.5 and 1.3 ms faster (of 83-103), mean steps 2.8 and 1.0 faster and 0.9 slower. Within the
+    noise; not kept."""
     cache.check_whole()
     new = check_forward(cache.get_seq_length(), cache.sliding_window, args, kwargs)
     threads = cache.decode_threads if new == 1 else None

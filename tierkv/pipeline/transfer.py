@@ -16,6 +16,15 @@ copy stage's time fell by three quarters and the stall from 0.31-0.32 of the ste
 the steps were no faster: 168.2 against 172.6 ms in one run, 174.7 against 168.8 in the other
 (``full_memory`` 160.9, 156.4), the kernel on one thread against SDPA on two. The stall that is
 left is mostly disk latency (``storage/ranking.py``). So a CPU packs as a GPU does.
+
+A group is delivered whole, not layer by layer: its first layer waits for all of its layers'
+tokens. Delivering the first layer's tokens first (its own ``torch.cat``), the rest after, was
+tried (2026-11-28) where the wait is longest: a filter layer's choice, known only after its
+attention, fetched for the 4-12 layers after it. At 8K on the 2-core CPU those three waits took
+3.5 ms of a 90 ms step (``bench.decode``'s ``tierkv`` case, device 5 % / host 20 % of the KV).
+Layer by layer, the second layer still waited 1.1 ms a step for the rest, and on one cache
+decoding alternate blocks of 8 steps with and without it the step was no faster (88.1 against
+87.7 ms median, ``full_memory`` 104.2). Not kept.
 """
 from __future__ import annotations
 

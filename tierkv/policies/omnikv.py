@@ -189,6 +189,11 @@ class OmniKV(Policy):
         Leaves also stop where the records they bring would pass ``LEAF_MOVE_FACTOR`` x the
         budget (or what the sinks bring); what is left goes to leaves of records already
         brought.
+
+        At 8K (~1,000 units) this takes 0.18 ms alone and ~0.7 ms inside a decode step. Written
+        with numpy (the same results on 600 random cases), 0.10 ms alone and still ~0.7 ms in the
+        step (one cache decoding alternate blocks of 8 steps, 2026-11-28): what a step adds to
+        such bookkeeping is not the torch calls' dispatch. Not kept.
         """
         tree = index.tree
         cuts = tree.bounds

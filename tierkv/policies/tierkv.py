@@ -29,7 +29,9 @@ context against 10 % and 5 % for layers 0 and 1: top-1 agreement 0.969 / 0.969 o
 document (seed 0), 0.812 / 0.812 / 0.812, 0.844 / 0.844 / 0.844 and 0.906 / 0.906 / 0.891 on
 seeds 1-3; disk reads 3.9 against 3.1 MB a token; in one process decoding alternate blocks of 8
 steps, 117.0 against 113.4 ms a token and 123.9 against 114.8 (two runs; ``full_memory`` 131.7,
-136.6).
+136.6). Less would not be faster: their fetches are six 128-token records each, ~0.3 ms a
+layer. On one cache decoding alternate blocks of 8 steps (2026-11-28), the budget took 96.4 ms a
+token, the sinks alone 96.7 and half the budget 99.1 (``full_memory`` 116.5).
 
 The candidates also stay within what the device tier holds beside every layer's recent window,
 down to ``PRESELECT_MIN_FACTOR`` x the budget. A filter layer's candidates and the chunks it
