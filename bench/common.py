@@ -118,12 +118,16 @@ def machine() -> dict:
             "gpu": gpu, "device": str(bench_device()), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
+def result_path(name: str) -> Path:
+    """``bench/results/<name>.json``, or ``<name>.gpu.json`` when the bench runs on a GPU."""
+    return RESULTS / f"{name}{'.gpu' if bench_device().type == 'cuda' else ''}.json"
+
+
 def write_result(name: str, data: dict) -> Path:
     """Write ``bench/results/<name>.json`` (atomically) with the machine description added; a
     run on a GPU writes ``<name>.gpu.json``, beside the CPU machine's figures."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    gpu = bench_device().type == "cuda"
-    path = RESULTS / f"{name}{'.gpu' if gpu else ''}.json"
+    path = result_path(name)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({"machine": machine(), **data}, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)

@@ -28,6 +28,11 @@ On a machine with CUDA the model, ``full_memory``'s cache and the device tier ar
 (``TIERKV_BENCH_DEVICE=cpu`` keeps them on the CPU), every timed step ends with a device
 synchronisation, and the result goes to ``decode.gpu.json``, beside the CPU figures.
 
+The cases run ``tierkv`` (and the paired run) first and the three that read all KV every step
+last; after each case the figures so far go to ``decode.partial.json`` (``"partial": true``, no
+drift), which the complete run removes: a run cut short, as on a GPU lent for minutes, still
+leaves its headline.
+
     python -m bench.decode [--quick]   ->  bench/results/decode.json
 """
 from __future__ import annotations
@@ -44,7 +49,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from bench.common import bench_device, document_ids, drop_page_cache, sync, write_result
+from bench.common import (bench_device, document_ids, drop_page_cache, result_path, sync,
+                          write_result)
 from tierkv import SelectConfig, TierConfig, TieredCache, TierFullError, load_model
 from tierkv.config import ChunkConfig
 from tierkv.shapes import KVShape
@@ -57,6 +63,10 @@ PROFILE: Path | None = None  # ``--profile DIR``: torch.profiler over each case'
 FETCH_AHEAD: bool | None = None  # TieredCache.fetch_ahead; None: the cache's default (on on a GPU)
 BRUTE_HOST = 1_000_000
 PAIR_BLOCK = 8  # decode steps per turn when full_memory and tierkv alternate
+# The headline first (tierkv and the paired run right after full_memory), the cases that read all
+# KV every step (~2.3-2.7 s a token at 8K on the 2-core CPU) last: a GPU lent for a few minutes
+# ran out of time in brute_offload twice before tierkv was reached.
+RUN_ORDER = ("tierkv", "quest", "leoam", "omnikv", "brute_offload", "h2o", "razor")
 
 
 @torch.no_grad()
@@ -337,6 +347,10 @@ def main(argv=None) -> dict:
     ids = document_ids(tok, tokens, seed=0)
     kv = KVShape.from_config(model.config, dtype=model.dtype).kv_bytes(tokens)
     device, host = int(DEVICE_SHARE * kv), int(HOST_SHARE * kv)
+    config = {"tokens": tokens, "steps": steps, "model": "smollm2-135m", "dtype": str(model.dtype),
+              "kv_bytes": kv, "device_budget": device, "device_budget_frac": DEVICE_SHARE,
+              "host_budget": host, "host_budget_frac": HOST_SHARE, "brute_host_budget": BRUTE_HOST,
+              "select_budget": SELECT, "threads": torch.get_num_threads()}
     root = Path(tempfile.mkdtemp(prefix="tierkv-bench-decode-"))
     try:
         warm_up(model, tok, root)
@@ -344,28 +358,29 @@ def main(argv=None) -> dict:
         cases["full_memory"], ref = full_memory_case(model, ids, steps)
         print(f"full_memory: {cases['full_memory']['ms_per_token']:.1f} ms/token", flush=True)
         wanted = args.cases or ("brute_offload",) + SPARSE
-        if "brute_offload" in wanted:
-            cases["brute_offload"] = tiered_case(model, ids, ref, steps, "full", device, BRUTE_HOST,
-                                                 root / "brute")
-            print(f"brute_offload: {cases['brute_offload'].get('ms_per_token', 'error')} ms/token",
-                  flush=True)
-        for policy in (p for p in SPARSE if p in wanted):
-            cases[policy] = tiered_case(model, ids, ref, steps, policy, device, host, root / policy)
-            print(f"{policy}: {cases[policy].get('ms_per_token', 'error')} ms/token", flush=True)
         paired = compared = None
-        if "tierkv" in cases and "error" not in cases["tierkv"]:
-            plain, _ = load_model("smollm2-135m", device=str(bench_device()))
-            paired = paired_speed(model, plain, ids, ref, steps, "tierkv",
-                                  cases["tierkv"]["device_budget"], host, root / "paired")
-            del plain
-            print(f"paired: {paired}", flush=True)
-            if args.fetch_ahead == "both":
-                models = [model] + [load_model("smollm2-135m", device=str(bench_device()))[0]
-                                    for _ in range(2)]
-                compared = paired_ahead(models, ids, ref, steps, cases["tierkv"]["device_budget"],
-                                        host, root)
-                del models
-                print(f"fetch_ahead: {compared}", flush=True)
+        for name in (n for n in RUN_ORDER if n in wanted):
+            if name == "brute_offload":
+                cases[name] = tiered_case(model, ids, ref, steps, "full", device, BRUTE_HOST,
+                                          root / "brute")
+            else:
+                cases[name] = tiered_case(model, ids, ref, steps, name, device, host, root / name)
+            print(f"{name}: {cases[name].get('ms_per_token', 'error')} ms/token", flush=True)
+            if name == "tierkv" and "error" not in cases["tierkv"]:
+                plain, _ = load_model("smollm2-135m", device=str(bench_device()))
+                paired = paired_speed(model, plain, ids, ref, steps, "tierkv",
+                                      cases["tierkv"]["device_budget"], host, root / "paired")
+                del plain
+                print(f"paired: {paired}", flush=True)
+                if args.fetch_ahead == "both":
+                    models = [model] + [load_model("smollm2-135m", device=str(bench_device()))[0]
+                                        for _ in range(2)]
+                    compared = paired_ahead(models, ids, ref, steps,
+                                            cases["tierkv"]["device_budget"], host, root)
+                    del models
+                    print(f"fetch_ahead: {compared}", flush=True)
+            if not args.cases:  # what a run cut short (a GPU lent for minutes) still leaves
+                write_result("decode.partial", {**summary(cases, paired, config), "partial": True})
         again, _ = full_memory_case(model, ids, steps)
         runs = [cases["full_memory"]["ms_per_token"], again["ms_per_token"]]
         cases["full_memory"].update({"ms_per_token": sum(runs) / 2, "ms_per_token_runs": runs})
@@ -376,26 +391,28 @@ def main(argv=None) -> dict:
     if args.cases:
         print_table(cases)
         return {"cases": cases, "fetch_ahead": compared}
-    tk, full, brute = cases["tierkv"], cases["full_memory"], cases["brute_offload"]
-    ok = "error" not in tk
-    result = {"config": {"tokens": tokens, "steps": steps, "model": "smollm2-135m",
-                         "dtype": str(model.dtype), "kv_bytes": kv, "device_budget": device,
-                         "device_budget_frac": DEVICE_SHARE, "host_budget": host,
-                         "host_budget_frac": HOST_SHARE, "brute_host_budget": BRUTE_HOST,
-                         "select_budget": SELECT, "threads": torch.get_num_threads()},
-              "cases": cases,
-              "speedup_vs_full_memory": paired["speedup"] if paired else None,
-              "speedup_vs_full_memory_unpaired": full["ms_per_token"] / tk["ms_per_token"] if ok else None,
-              "paired": paired,
-              "speedup_vs_brute_offload": (brute["ms_per_token"] / tk["ms_per_token"]
-                                           if ok and "error" not in brute else None),
-              "disk_read_frac": tk["disk_bytes_per_token"] / kv if ok else None,
-              "full_memory_drift": drift}
+    result = {**summary(cases, paired, config), "full_memory_drift": drift}
     print_table(cases)
     print({k: result[k] for k in ("speedup_vs_full_memory", "speedup_vs_brute_offload", "disk_read_frac",
                                   "full_memory_drift")})
     print(write_result("decode", result))
+    result_path("decode.partial").unlink(missing_ok=True)  # the complete run replaces it
     return result
+
+
+def summary(cases: dict, paired: dict | None, config: dict) -> dict:
+    """The result file's figures from the cases run so far (None for those that need a case
+    not run, or one that failed)."""
+    tk, full, brute = (cases.get(n, {"error": "not run"})
+                       for n in ("tierkv", "full_memory", "brute_offload"))
+    ok = "error" not in tk
+    return {"config": config, "cases": cases,
+            "speedup_vs_full_memory": paired["speedup"] if paired else None,
+            "speedup_vs_full_memory_unpaired": full["ms_per_token"] / tk["ms_per_token"] if ok else None,
+            "paired": paired,
+            "speedup_vs_brute_offload": (brute["ms_per_token"] / tk["ms_per_token"]
+                                         if ok and "error" not in brute else None),
+            "disk_read_frac": tk["disk_bytes_per_token"] / config["kv_bytes"] if ok else None}
 
 
 if __name__ == "__main__":

@@ -203,8 +203,10 @@ def render(results: dict[str, dict]) -> str:
 
     for name in sorted(results, key=order):
         base, _, variant = name.partition(".")
-        label = f"{base} ({results[name].get('machine', {}).get('gpu') or variant})" \
-            if variant else name
+        gpu = results[name].get("machine", {}).get("gpu")
+        label = name if not variant else f"{base} ({gpu or variant})"
+        if "partial" in variant:
+            label = f"{base} ({', '.join(filter(None, (gpu, 'partial: a run cut short')))})"
         renderer = RENDERERS.get(base)
         if renderer is None:
             lines.append(f"| {label} | - | - | no renderer for this file |")

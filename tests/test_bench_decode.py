@@ -78,3 +78,64 @@ def test_a_tier_full_error_raises_the_budget_by_its_shortfall_or_a_tenth():
     message = "device: prefetch:7 needs 9000000 B, 1000000 B free of 10000000: ..."
     assert decode.raised(10_000_000, message) == -(-18_000_000 // 2**20) * 2**20
     assert decode.raised(10_000_000, "some other error") == -(-11_000_000 // 2**20) * 2**20
+
+
+def test_a_run_cut_short_leaves_its_headline_and_a_complete_run_removes_it(tmp_path, monkeypatch):
+    """Cases run tierkv (with the paired run) first and the all-KV readers last; each case
+    rewrites ``decode.partial.json``; the complete run writes ``decode.json`` and removes it."""
+    import bench.common as common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setenv("TIERKV_BENCH_DEVICE", "cpu")
+    config = SimpleNamespace(max_position_embeddings=80, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=1, hidden_size=16, head_dim=8)
+    model = SimpleNamespace(config=config, dtype=torch.float32)
+    monkeypatch.setattr(decode, "load_model", lambda *a, **k: (model, None))
+    monkeypatch.setattr(decode, "document_ids", lambda tok, n, seed: torch.zeros(1, n, dtype=torch.long))
+    monkeypatch.setattr(decode, "warm_up", lambda *a: None)
+    full = {"ms_per_token": 10.0, "disk_bytes_per_token": 0.0, "top1_agreement": 1.0,
+            "device_peak_bytes": None, "stall_frac": None}
+    monkeypatch.setattr(decode, "full_memory_case", lambda *a: (dict(full), torch.zeros(17)))
+    monkeypatch.setattr(decode, "paired_speed", lambda *a: {"speedup": 1.25})
+    ran, partial = [], []
+
+    def case(model, ids, ref, steps, policy, *rest):
+        name = "brute_offload" if policy == "full" else policy
+        if (tmp_path / "decode.partial.json").exists():
+            partial.append(__import__("json").loads((tmp_path / "decode.partial.json").read_text()))
+        ran.append(name)
+        if name == STOP:
+            raise KeyboardInterrupt  # the lent machine's time runs out
+        return {"ms_per_token": {"tierkv": 8.0, "brute_offload": 200.0}.get(name, 9.0),
+                "disk_bytes_per_token": 1000.0, "top1_agreement": 0.95,
+                "device_peak_bytes": 1, "stall_frac": 0.1, "device_budget": 1}
+    monkeypatch.setattr(decode, "tiered_case", case)
+
+    STOP = "brute_offload"
+    with pytest.raises(KeyboardInterrupt):
+        decode.main(["--quick"])
+    assert ran == ["tierkv", "quest", "leoam", "omnikv", "brute_offload"]
+    cut = partial[-1]
+    assert cut["partial"] is True
+    assert cut["cases"].keys() == {"full_memory", "tierkv", "quest", "leoam", "omnikv"}
+    assert cut["speedup_vs_full_memory"] == 1.25 and cut["speedup_vs_brute_offload"] is None
+    assert partial[0]["cases"].keys() == {"full_memory", "tierkv"}
+    assert not (tmp_path / "decode.json").exists()
+
+    STOP, ran[:] = None, []
+    result = decode.main(["--quick"])
+    assert ran[-3:] == ["brute_offload", "h2o", "razor"]
+    assert result["speedup_vs_brute_offload"] == 25.0 and result["full_memory_drift"] == 1.0
+    assert (tmp_path / "decode.json").exists() and not (tmp_path / "decode.partial.json").exists()
+
+
+def test_summary_leaves_out_what_needs_a_case_not_run():
+    config = {"kv_bytes": 4000}
+    cases = {"full_memory": {"ms_per_token": 12.0},
+             "tierkv": {"ms_per_token": 10.0, "disk_bytes_per_token": 40.0}}
+    got = decode.summary(cases, None, config)
+    assert got["speedup_vs_full_memory"] is None and got["speedup_vs_brute_offload"] is None
+    assert got["speedup_vs_full_memory_unpaired"] == pytest.approx(1.2)
+    assert got["disk_read_frac"] == pytest.approx(0.01)
+    failed = decode.summary({**cases, "tierkv": {"error": "TierFullError: x"}}, None, config)
+    assert failed["disk_read_frac"] is None and failed["speedup_vs_full_memory_unpaired"] is None

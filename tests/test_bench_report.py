@@ -94,6 +94,11 @@ def test_a_gpu_run_sits_beside_the_cpu_one(tmp_path, monkeypatch):
                                           "mystery"]
     assert "| decode (NVIDIA H100) | speedup vs full_memory | 1.4 |" in table
     assert "2 CPUs, NVIDIA H100" in table and "2 CPUs, no GPU" in table
+    results["decode.partial.gpu"] = {**results["decode.gpu"], "partial": True}
+    results["decode.partial"] = {**results["decode"], "partial": True}
+    table = render(results)
+    assert "| decode (NVIDIA H100, partial: a run cut short) | speedup vs full_memory | 1.4 |" in table
+    assert "| decode (partial: a run cut short) |" in table
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     monkeypatch.setenv("TIERKV_BENCH_DEVICE", "cpu")
     assert common.write_result("x", {}).name == "x.json"
