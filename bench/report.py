@@ -138,6 +138,8 @@ def decode_rows(d: dict) -> list[tuple]:
             fmt(blocks[0]), fmt(blocks[-1]), fmt(statistics.median(blocks)))
     rows = [("speedup vs full_memory", d.get("speedup_vs_full_memory"), how),
             ("speedup vs brute_offload", d.get("speedup_vs_brute_offload"), "brute_offload ms/token / tierkv ms/token"),
+            ("speedup vs offloaded", d.get("speedup_vs_offloaded"),
+             "transformers' offloaded DynamicCache ms/token / tierkv ms/token (not paired; GPU only)"),
             ("tierkv disk read frac", d.get("disk_read_frac"), "disk bytes read per token / whole KV bytes")]
     if d.get("full_memory_drift") is not None:
         runs = d["cases"]["full_memory"].get("ms_per_token_runs") or []
@@ -147,6 +149,9 @@ def decode_rows(d: dict) -> list[tuple]:
     for name, c in d.get("cases", {}).items():
         if "error" in c:
             rows.append((name, None, f"error: {c['error'][:60]}"))
+            continue
+        if "skipped" in c:
+            rows.append((name, None, f"not run: {c['skipped']}"))
             continue
         device = ""
         if c.get("device_budget") and cfg.get("kv_bytes"):

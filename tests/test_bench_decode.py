@@ -117,9 +117,10 @@ def test_a_run_cut_short_leaves_its_headline_and_a_complete_run_removes_it(tmp_p
     assert ran == ["tierkv", "quest", "leoam", "omnikv", "brute_offload"]
     cut = partial[-1]
     assert cut["partial"] is True
-    assert cut["cases"].keys() == {"full_memory", "tierkv", "quest", "leoam", "omnikv"}
+    assert cut["cases"].keys() == {"full_memory", "tierkv", "offloaded", "quest", "leoam", "omnikv"}
+    assert "needs the model on a GPU" in cut["cases"]["offloaded"]["skipped"]
     assert cut["speedup_vs_full_memory"] == 1.25 and cut["speedup_vs_brute_offload"] is None
-    assert partial[0]["cases"].keys() == {"full_memory", "tierkv"}
+    assert partial[0]["cases"].keys() == {"full_memory", "tierkv", "offloaded"}
     assert not (tmp_path / "decode.json").exists()
 
     STOP, ran[:] = None, []
@@ -137,5 +138,19 @@ def test_summary_leaves_out_what_needs_a_case_not_run():
     assert got["speedup_vs_full_memory"] is None and got["speedup_vs_brute_offload"] is None
     assert got["speedup_vs_full_memory_unpaired"] == pytest.approx(1.2)
     assert got["disk_read_frac"] == pytest.approx(0.01)
+    assert got["speedup_vs_offloaded"] is None
+    offloaded = {**cases, "offloaded": {"ms_per_token": 15.0}}
+    assert decode.summary(offloaded, None, config)["speedup_vs_offloaded"] == pytest.approx(1.5)
+    skipped = {**cases, "offloaded": {"skipped": "needs a GPU"}}
+    assert decode.summary(skipped, None, config)["speedup_vs_offloaded"] is None
     failed = decode.summary({**cases, "tierkv": {"error": "TierFullError: x"}}, None, config)
     assert failed["disk_read_frac"] is None and failed["speedup_vs_full_memory_unpaired"] is None
+
+
+def test_the_offloaded_case_needs_the_model_on_a_gpu(capsys):
+    model = torch.nn.Linear(2, 2)
+    model.device = torch.device("cpu")
+    assert decode.offloaded_case(model, None, None, 4) == {
+        "skipped": "transformers offloads a GPU's KV to CPU RAM: needs the model on a GPU"}
+    decode.print_table({"offloaded": decode.offloaded_case(model, None, None, 4)})
+    assert "offloaded      skipped: transformers offloads" in capsys.readouterr().out

@@ -99,6 +99,9 @@ def test_a_gpu_run_sits_beside_the_cpu_one(tmp_path, monkeypatch):
     table = render(results)
     assert "| decode (NVIDIA H100, partial: a run cut short) | speedup vs full_memory | 1.4 |" in table
     assert "| decode (partial: a run cut short) |" in table
+    results["decode.gpu"]["cases"] = {**results["decode"]["cases"],
+                                      "offloaded": {"skipped": "needs the model on a GPU"}}
+    assert "| decode (NVIDIA H100) | offloaded | - | not run: needs the model on a GPU |" in render(results)
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     monkeypatch.setenv("TIERKV_BENCH_DEVICE", "cpu")
     assert common.write_result("x", {}).name == "x.json"
