@@ -128,10 +128,11 @@ def reopen_rows(d: dict) -> list[tuple]:
 def decode_rows(d: dict) -> list[tuple]:
     cfg = d.get("config", {})
     paired = d.get("paired") or {}
+    ms = paired.get("ms_per_token") or {}
     how = ("paired run, alternating blocks of {} steps, every other round reversed: {} / {} "
-           "ms/token".format(paired.get("block_steps"),
-                             *(fmt(v) for v in paired["ms_per_token"].values()))
-           if paired.get("ms_per_token") else "full_memory ms/token / tierkv ms/token")
+           "ms/token".format(paired.get("block_steps"), fmt(ms.get("full_memory")),
+                             fmt(ms.get("tierkv")))
+           if ms else "full_memory ms/token / tierkv ms/token")
     blocks = sorted(paired.get("block_speedups") or ())
     if blocks:
         how += "; pairs of blocks {}-{} (median {})".format(

@@ -45,6 +45,9 @@ def test_render_rows_and_machine():
            "steps, every other round reversed: 10 / 20 ms/token; pairs of blocks 0.45-0.6 " \
            "(median 0.51) |" in table
     assert "| decode | h2o | - | error: TierFullError: boom |" in table
+    reordered = fake_results()  # a file whose paired figures list tierkv first reads the same
+    reordered["decode"]["paired"]["ms_per_token"] = {"tierkv": 20.0, "full_memory": 10.0}
+    assert "every other round reversed: 10 / 20 ms/token" in render(reordered)
     assert "| decode | tierkv top1 | 0.9 | 5 ms/token, 1 MB disk/token, stall 0.1, device tier 0.056 " \
            "of the KV (raised after TierFullError) |" in table
     assert "| scale | 16384 tok: step / physical bound | 1.7 |" in table
