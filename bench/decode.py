@@ -67,8 +67,8 @@ FETCH_AHEAD: bool | None = None  # TieredCache.fetch_ahead; None: the cache's de
 BRUTE_HOST = 1_000_000
 PAIR_BLOCK = 8  # decode steps per turn when full_memory and tierkv alternate
 # The headline first (tierkv and the paired run right after full_memory), the cases that read all
-# KV every step (~2.3-2.7 s a token at 8K on the 2-core CPU) last: a GPU lent for a few minutes
-# ran out of time in brute_offload twice before tierkv was reached.
+# KV every step (~2.3-2.7 s a token at 8K on the 2-core CPU) last: twice a GPU lent for minutes
+# ran out of time among them, the second time before tierkv was reached.
 RUN_ORDER = ("tierkv", "offloaded", "quest", "leoam", "omnikv", "brute_offload", "h2o", "razor")
 
 
