@@ -162,6 +162,7 @@ class TieredCache(Cache):
         self.snapshot: set | None = None  # disk records of the saved document this cache holds
         self.prefill_blocks = self.prefill_ahead = None  # a group's records, the next's (prefill.py)
         self.prompt_mass: dict[int, torch.Tensor] = {}  # layer -> its recent queries' attention
+        self.prompt_query: dict[int, torch.Tensor] = {}  # layer -> the prompt's last query (CPU)
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-helper")  # prefill's reads
         self._folds: dict = {}  # group -> its tree's fold running on ``reader`` (``in_background``)
 

@@ -15,6 +15,16 @@ steps, both caches and ``full_memory`` decoding alternate blocks of 8 steps in o
 2026-11-27): the first step read 11.3 MB from disk against 33.9 and took 181 ms against 263;
 over the 64 steps 2.72 MB a token against 3.11 and 99.4 ms a token against 103.9 (``full_memory``
 114.1), top-1 agreement 0.969 either way. Ranking 32 queries over 8K tokens costs ~8-9 ms a layer.
+
+A layer that preselects (``tierkv``'s filter layers, and those before the first) reads 40 % of
+its context on the first step, chosen by its query, not by what the prompt attended: those 167
+records were most of that step's 11.2 MB from disk. So the records of the candidates the
+prompt's last query picks (``Policy.prompt_candidates``) rank first. Measured on the same case
+(device 5 % / host 20 % of the KV; two caches, prefilled with and without, and ``full_memory``
+decoding alternate blocks of 8 steps in one process, 2026-11-28, twice): the first step took
+126.9 and 128.2 ms against 157.9 and 160.6 and read 5.4 MB from disk against 11.2; the other
+63 steps 97.8 / 100.5 against 98.2 / 99.5 ms a token (2.62 against 2.59 MB), top-1 62 of 64
+either way.
 """
 from __future__ import annotations
 
@@ -43,6 +53,7 @@ def prefill_attention(cache, layer: int, q: torch.Tensor, scaling: float) -> tor
                                      column_mass=cache.policy.wants_prefill_mass)
         if cache.store.disk is not None:
             cache.prompt_mass[layer] = recent_query_mass(q, k, scaling, RECENT_QUERIES).cpu()
+            cache.prompt_query[layer] = q[:, -1].cpu()
     finally:
         cache.store.device.reserve(f"prefill:{layer}", 0)
     if mass is not None:
@@ -111,10 +122,19 @@ def prompt_ranks(cache, g: int, start: int, count: int, hot: float, ranked: bool
     rank ``hot``.
     """
     masses = [cache.prompt_mass.pop(layer, None) for layer in cache.groups[g]]
-    end = start + count * cache.record_tokens[g]
+    query = [cache.prompt_query.pop(layer, None) for layer in cache.groups[g]][0]
+    step = cache.record_tokens[g]
+    end = start + count * step
     if not ranked or not count or any(m is None or m.numel() < end for m in masses):
         return [hot] * count
     mass = torch.stack([m[start:end] for m in masses]).sum(dim=0).view(count, -1).sum(dim=1)
     order = mass.argsort().argsort()  # 0: the record paid the least attention
     level = -(-(order + 1) * RANK_LEVELS // count)  # 1 .. RANK_LEVELS, the top record's last
+    wanted = None if query is None else cache.policy.prompt_candidates(cache, cache.groups[g][0],
+                                                                       query)
+    if wanted is not None:  # what the layer would fetch were the prompt's last query a step's
+        starts = torch.tensor([key.start for key in cache.indexes[g].fetch(wanted).keys],
+                              dtype=torch.long)
+        starts = starts[(starts >= start) & (starts < end)]
+        level[(starts - start) // step] = RANK_LEVELS
     return (hot + level * (RANK_SPAN / RANK_LEVELS)).tolist()

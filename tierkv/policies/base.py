@@ -143,6 +143,12 @@ class Policy:
     def attend(self, cache, layer, q, k, v, positions, scaling) -> torch.Tensor:
         return decode_attention(q, k, v, scaling)
 
+    def prompt_candidates(self, cache, layer: int, query: torch.Tensor) -> torch.Tensor | None:
+        """Leaves ``layer`` would fetch of its own KV were ``query`` (q_heads, head_dim), a
+        prompt's last, a decode step's: a prefill ranks their records first for the host tier
+        (``prefill.prompt_ranks``). None: no such guess (the prompt's attention ranks them)."""
+        return None
+
     def observe_prefill(self, cache, layer: int, mass: torch.Tensor) -> None:
         """Called after each prefill pass of a layer, mass : Tensor, shape (kv_heads, n)."""
 

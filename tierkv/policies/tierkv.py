@@ -151,6 +151,11 @@ class TierKV(OmniKV):
         self._fetched[layer] = chosen
         return chosen
 
+    def prompt_candidates(self, cache, layer, query):
+        """A preselecting layer's candidates for ``query``, a prompt's last (None for the
+        others): the first decode step's are mostly the same leaves."""
+        return self._candidates(cache, layer, query) if self.preselects(cache, layer) else None
+
     def _candidates(self, cache, layer, query):
         """The leaves ``query`` (q_heads, head_dim) ranks first by their LKA bounds, those the
         layer fetched last ``PRESELECT_STICKINESS`` x the leaves higher, as many as the rule of
