@@ -130,6 +130,11 @@ def test_directory_path_validation(tmp_path):
     assert (tmp_path / "file").read_text() == "x"
     with pytest.raises(ValueError, match="path"):
         DiskTier("")
+    # a directory that cannot be made (a file in the way; /proc takes no new directories)
+    with pytest.raises(OSError, match="disk tier directory '.*file/sub': cannot create it"):
+        DiskTier(tmp_path / "file" / "sub")
+    with pytest.raises(FileNotFoundError, match="disk tier directory '/proc/tierkv-.*': cannot"):
+        DiskTier("/proc/tierkv-test")
 
 
 def test_removed_records_reclaimed(tmp_path, make_block, blocks_equal):

@@ -37,7 +37,11 @@ class SegmentDir:
     def __init__(self, path: Path, segment_size: int, read_only: bool = False):
         self.path, self.read_only = path, read_only
         if not read_only:
-            path.mkdir(parents=True, exist_ok=True)
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:  # named: a bare errno line does not say which directory
+                raise type(exc)(exc.errno, f"disk tier directory {str(path)!r}: cannot create "
+                                           f"it ({exc.strerror})") from None
         elif not path.is_dir():
             raise FileNotFoundError(f"{path}: no such directory")
         self.dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
