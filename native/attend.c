@@ -25,6 +25,13 @@
 #include "kernels.h"
 #include "simd.h"
 
+/* One part of decode_attend_parts: n rows of keys and values for kv head 0, the next head's
+ * k_head / v_head bytes further on. */
+struct part {
+    const char *k, *v;
+    Py_ssize_t k_head, v_head, n;
+};
+
 #ifdef HAVE_AVX2_PATH
 /* exp for x <= 0 (Cephes' expf: range reduction by ln 2, a degree-5 polynomial; ~1 ulp);
  * below -87.3 it returns ~1e-38 rather than less, nothing next to the max's 1. */
@@ -78,7 +85,7 @@ AVX2 static void merge_avx2(float *scores, float *top, float *sum, float *out, P
  * at a time: each 8 values of a row are converted once and meet every query head in registers. */
 AVX2 static inline __attribute__((always_inline)) void
 scores_avx2(const float *q, const char *k, const char *v, size_t rb, Py_ssize_t n, Py_ssize_t d,
-            float *scores, const int G, const int kind)
+            float *scores, Py_ssize_t pitch, const int G, const int kind)
 {
     for (Py_ssize_t t = 0; t < n; t += 2) {
         const int two = t + 1 < n;
@@ -99,9 +106,9 @@ scores_avx2(const float *q, const char *k, const char *v, size_t rb, Py_ssize_t 
             }
         }
         for (int j = 0; j < G; j++) {
-            scores[j * n + t] = hsum(a0[j]);
+            scores[j * pitch + t] = hsum(a0[j]);
             if (two)
-                scores[j * n + t + 1] = hsum(a1[j]);
+                scores[j * pitch + t + 1] = hsum(a1[j]);
         }
     }
 }
@@ -113,8 +120,8 @@ scores_avx2(const float *q, const char *k, const char *v, size_t rb, Py_ssize_t 
  * computes, and the next scores would wait on it (1 MiB fp16 records not in cache: 0.157 ms
  * against 0.181 without; 0.133 in cache). */
 AVX2 static inline __attribute__((always_inline)) void
-weigh_avx2(const float *p, const char *v, size_t rb, Py_ssize_t n, Py_ssize_t d, float *out,
-           const int G, const int kind, const char *next, size_t ahead)
+weigh_avx2(const float *p, Py_ssize_t pitch, const char *v, size_t rb, Py_ssize_t n, Py_ssize_t d,
+           float *out, const int G, const int kind, const char *next, size_t ahead)
 {
     const size_t passes = (size_t)(d + 15) / 16;
     const size_t share = ((ahead + passes - 1) / passes + 63) & ~(size_t)63;
@@ -131,7 +138,7 @@ weigh_avx2(const float *p, const char *v, size_t rb, Py_ssize_t n, Py_ssize_t d,
             const char *row = v + t * rb;
             __m256 x0 = load8(row, kind, i), x1 = two ? load8(row, kind, i + 8) : x0;
             for (int j = 0; j < G; j++) {
-                __m256 pj = _mm256_broadcast_ss(p + j * n + t);
+                __m256 pj = _mm256_broadcast_ss(p + j * pitch + t);
                 a0[j] = _mm256_fmadd_ps(pj, x0, a0[j]);
                 a1[j] = _mm256_fmadd_ps(pj, x1, a1[j]);
             }
@@ -153,9 +160,9 @@ attend_avx2_g(const float *q, const char *k, const char *v, float *top, float *s
     size_t rb = (size_t)d * (kind == KIND_F32 ? 4 : 2);
     for (Py_ssize_t b = 0; b < B; b++) {
         const char *kb = k + (size_t)b * stride * rb, *vb = v + (size_t)b * stride * rb;
-        scores_avx2(q + b * G * d, kb, vb, rb, n, d, scores, G, kind);
+        scores_avx2(q + b * G * d, kb, vb, rb, n, d, scores, n, G, kind);
         merge_avx2(scores, top + b * G, sum + b * G, out + b * G * d, G, n, d);
-        weigh_avx2(scores, vb, rb, n, d, out + b * G * d, G, kind,
+        weigh_avx2(scores, n, vb, rb, n, d, out + b * G * d, G, kind,
                    b + 1 < B ? kb + stride * rb : NULL, n * rb);
     }
 }
@@ -187,6 +194,78 @@ static const attend_fn ATTEND_AVX2[] = {NULL, attend_avx2_1, attend_avx2_2, atte
                                         attend_avx2_4, attend_avx2_5, attend_avx2_6,
                                         attend_avx2_7, attend_avx2_8};
 
+#define PARTS_AHEAD 8192 /* bytes of keys prefetched ahead of the part being scored */
+
+/* The parts of decode_attend_parts: each kv head's scores over every part go into one row of
+ * `pitch` (all tokens), merged once, then each part's values are weighed by its share of it. */
+AVX2 static inline __attribute__((always_inline)) void
+attend_parts_avx2_g(const float *q, const struct part *parts, Py_ssize_t count, float *top,
+                    float *sum, float *out, Py_ssize_t B, Py_ssize_t pitch, Py_ssize_t d,
+                    float *scores, int per_head, const int G, const int kind)
+{
+    size_t rb = (size_t)d * (kind == KIND_F32 ? 4 : 2);
+    for (Py_ssize_t b = 0; b < B; b++) {
+        float *s = per_head ? scores + b * G * pitch : scores;
+        Py_ssize_t at = 0, next = 0;
+        size_t ahead = 0; /* bytes of keys prefetched and not yet scored */
+        for (Py_ssize_t i = 0; i < count; i++) {
+            const struct part *p = parts + i;
+            /* parts lie apart, each a few rows: the hardware prefetcher does not follow from
+             * one to the next, so the keys of the parts after this one are asked for now */
+            for (; next < count && ahead < PARTS_AHEAD; next++) {
+                const struct part *f = parts + next;
+                const char *row = f->k + b * f->k_head;
+                for (size_t at_ = 0; at_ < (size_t)f->n * rb; at_ += 64)
+                    _mm_prefetch(row + at_, _MM_HINT_T0);
+                ahead += (size_t)f->n * rb;
+            }
+            scores_avx2(q + b * G * d, p->k + b * p->k_head, p->v + b * p->v_head, rb, p->n, d,
+                        s + at, pitch, G, kind);
+            ahead -= (size_t)p->n * rb;
+            at += p->n;
+        }
+        merge_avx2(s, top + b * G, sum + b * G, out + b * G * d, G, pitch, d);
+        at = 0;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            const struct part *p = parts + i;
+            weigh_avx2(s + at, pitch, p->v + b * p->v_head, rb, p->n, d, out + b * G * d, G, kind,
+                       NULL, 0);
+            at += p->n;
+        }
+    }
+}
+
+#define ATTEND_PARTS_KIND(G)                                                                    \
+    AVX2 static void attend_parts_avx2_##G(const float *q, const struct part *parts,             \
+                                           Py_ssize_t count, float *top, float *sum, float *out, \
+                                           Py_ssize_t B, Py_ssize_t pitch, Py_ssize_t d,         \
+                                           float *scores, int per_head, int kind)                \
+    {                                                                                           \
+        if (kind == KIND_F16)                                                                   \
+            attend_parts_avx2_g(q, parts, count, top, sum, out, B, pitch, d, scores, per_head,  \
+                                G, KIND_F16);                                                   \
+        else if (kind == KIND_BF16)                                                             \
+            attend_parts_avx2_g(q, parts, count, top, sum, out, B, pitch, d, scores, per_head,  \
+                                G, KIND_BF16);                                                  \
+        else                                                                                    \
+            attend_parts_avx2_g(q, parts, count, top, sum, out, B, pitch, d, scores, per_head,  \
+                                G, KIND_F32);                                                   \
+    }
+ATTEND_PARTS_KIND(1)
+ATTEND_PARTS_KIND(2)
+ATTEND_PARTS_KIND(3)
+ATTEND_PARTS_KIND(4)
+ATTEND_PARTS_KIND(5)
+ATTEND_PARTS_KIND(6)
+ATTEND_PARTS_KIND(7)
+ATTEND_PARTS_KIND(8)
+
+typedef void (*attend_parts_fn)(const float *, const struct part *, Py_ssize_t, float *, float *,
+                                float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, float *, int, int);
+static const attend_parts_fn ATTEND_PARTS_AVX2[] = {
+    NULL, attend_parts_avx2_1, attend_parts_avx2_2, attend_parts_avx2_3, attend_parts_avx2_4,
+    attend_parts_avx2_5, attend_parts_avx2_6, attend_parts_avx2_7, attend_parts_avx2_8};
+
 #endif
 
 PyObject *py_decode_attend(PyObject *self, PyObject *args)
@@ -213,6 +292,73 @@ PyObject *py_decode_attend(PyObject *self, PyObject *args)
                    (float *)out, B, n, stride, d, kind, scores);
     Py_END_ALLOW_THREADS
     free(scores);
+#endif
+    Py_RETURN_NONE;
+}
+
+/* decode_attend_parts(q, table, count, slot, extra, top, sum, out, scores, B, g, d, kind)
+ *
+ * Attention of one query token over the keys and values of parts that lie apart (the records
+ * of a fetch where they are held, then a recent window), read in place: no packed copy.
+ *
+ *   table  int64 (count, 7): per part, the addresses of its keys and values (layer 0, kv head 0,
+ *          first token), the bytes from one layer to the next in each, from one kv head to the
+ *          next in each, and its tokens n >= 1; a part's rows (tokens) are contiguous
+ *   slot   the layer of the parts read: its rows start slot * layer bytes on
+ *   extra  int64 (5,) or 0: one more part, layer 0 of it (k, v, k_head, v_head, n)
+ *   top, sum, out  the running state, as in decode_attend (B, g) / (B, g, d)
+ *   scores fp32 (B, g, N) for every token's exp(s - top) after the call (probabilities once
+ *          divided by sum, when the state was fresh), or 0
+ */
+PyObject *py_decode_attend_parts(PyObject *self, PyObject *args)
+{
+    Py_ssize_t q, table, count, slot, extra, top, sum, out, scores, B, g, d;
+    int kind;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnni", &q, &table, &count, &slot, &extra, &top, &sum,
+                          &out, &scores, &B, &g, &d, &kind))
+        return NULL;
+    if (!kernel_fits(B, g, d, kind) || count < 0 || (count == 0 && extra == 0) || slot < 0) {
+        PyErr_Format(PyExc_ValueError, "decode_attend_parts: no kernel for B=%zd g=%zd d=%zd "
+                     "kind=%d count=%zd slot=%zd on this CPU", B, g, d, kind, count, slot);
+        return NULL;
+    }
+#ifdef HAVE_AVX2_PATH
+    Py_ssize_t total = count + (extra != 0);
+    struct part *parts = malloc((size_t)total * sizeof(struct part));
+    if (parts == NULL)
+        return PyErr_NoMemory();
+    Py_ssize_t pitch = 0;
+    const int64_t *row = (const int64_t *)table;
+    for (Py_ssize_t i = 0; i < total; i++, row += 7) {
+        if (i == count)
+            row = (const int64_t *)extra;
+        int whole = i < count;
+        parts[i].k = (const char *)(row[0] + (whole ? slot * row[2] : 0));
+        parts[i].v = (const char *)(row[1] + (whole ? slot * row[3] : 0));
+        parts[i].k_head = whole ? row[4] : row[2];
+        parts[i].v_head = whole ? row[5] : row[3];
+        parts[i].n = whole ? row[6] : row[4];
+        if (parts[i].n < 1) {
+            free(parts);
+            PyErr_Format(PyExc_ValueError, "decode_attend_parts: part %zd has %zd tokens", i,
+                         parts[i].n);
+            return NULL;
+        }
+        pitch += parts[i].n;
+    }
+    float *buffer = scores ? (float *)scores : malloc((size_t)(g * pitch) * sizeof(float));
+    if (buffer == NULL) {
+        free(parts);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS
+    ATTEND_PARTS_AVX2[g]((const float *)q, parts, total, (float *)top, (float *)sum, (float *)out,
+                         B, pitch, d, buffer, scores != 0, kind);
+    Py_END_ALLOW_THREADS
+    if (!scores)
+        free(buffer);
+    free(parts);
 #endif
     Py_RETURN_NONE;
 }

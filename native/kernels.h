@@ -6,6 +6,7 @@
 #include <Python.h>
 
 PyObject *py_decode_attend(PyObject *self, PyObject *args);
+PyObject *py_decode_attend_parts(PyObject *self, PyObject *args);
 PyObject *py_kernels_ready(PyObject *self, PyObject *args);
 PyObject *py_bound_scores(PyObject *self, PyObject *args);
 

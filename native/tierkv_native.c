@@ -249,6 +249,10 @@ static PyMethodDef methods[] = {
      "decode_attend(q, k, v, top, sum, out, B, g, n, d, kind[, stride]) -> None\n\n"
      "Merge one part's attention into a running softmax state; addresses, checked by the caller\n"
      "(tierkv.attention.DecodeAccumulator)."},
+    {"decode_attend_parts", py_decode_attend_parts, METH_VARARGS,
+     "decode_attend_parts(q, table, count, slot, extra, top, sum, out, scores, B, g, d, kind)\n"
+     "-> None\n\nAttention over parts read where they lie (native/attend.c); addresses, checked\n"
+     "by the caller (tierkv.attention.attend_parts)."},
     {"kernels_ready", py_kernels_ready, METH_NOARGS,
      "kernels_ready() -> bool: whether this CPU runs decode_attend and bound_scores\n"
      "(x86-64 with AVX2, FMA and F16C); where not, callers take torch's path."},

@@ -1,6 +1,7 @@
 """tierkv's C kernels over tensors (``tierkv._native``, sources in ``native/``): decode attention
-(``decode_attend``, used by ``attention.DecodeAccumulator``) and LKA chunk bounds
-(``bound_scores``, used by ``summary.bound_scores``).
+(``decode_attend``, used by ``attention.DecodeAccumulator``; ``decode_attend_parts``, over parts
+read where they lie, used by ``scattered.attend_parts``) and LKA chunk bounds (``bound_scores``,
+used by ``summary.bound_scores``).
 
 They read fp16, bf16 or fp32 rows once and convert them in registers, on x86-64 CPUs with AVX2,
 FMA and F16C, for head_dim a multiple of ``DIM_STEP`` and up to ``MAX_GROUP`` query heads a kv
@@ -17,12 +18,12 @@ MAX_GROUP = 8  # query heads a kv head (native/simd.h: their accumulators stay i
 DIM_STEP = 8   # head_dim a multiple of this (one AVX2 register of fp32)
 
 try:
-    from ._native import bound_scores, decode_attend, kernels_ready
+    from ._native import bound_scores, decode_attend, decode_attend_parts, kernels_ready
 except ImportError:  # not built (no compiler), or built from an older source
-    bound_scores = decode_attend = None
+    bound_scores = decode_attend = decode_attend_parts = None
 else:
     if not kernels_ready():
-        bound_scores = decode_attend = None
+        bound_scores = decode_attend = decode_attend_parts = None
 
 
 def fits(group: int, head_dim: int, dtype: torch.dtype) -> bool:

@@ -173,9 +173,9 @@ def test_split_leaves_attend_exactly_their_tokens(model_and_tok, passkey_cases, 
     select = SelectConfig(budget=0.1, fetch_unit="leaf")
     with TieredCache(model, TierConfig(device_budget="8MB", host_budget="1GB"), "tierkv",
                      select=select) as cache:
-        attend = cache.policy.attend
+        attend, attend_parts = cache.policy.attend, cache.policy.attend_parts
 
-        def spy(c, layer, q, k, v, positions, scaling):
+        def check(q, layer, k, positions):
             if q.shape[1] == 1:
                 old = positions < prompt
                 want = ref.layers[layer].keys[0][:, positions[old]]
@@ -183,9 +183,16 @@ def test_split_leaves_attend_exactly_their_tokens(model_and_tok, passkey_cases, 
                 if cache.policy.is_selecting(cache, layer):
                     assert positions.numel() <= select.tokens(cache.get_seq_length()), layer
                 checked.append(layer)
+
+        def spy(c, layer, q, k, v, positions, scaling):
+            check(q, layer, k, positions)
             return attend(c, layer, q, k, v, positions, scaling)
 
-        cache.policy.attend = spy
+        def spy_parts(c, layer, q, parts, positions, scaling):  # read in place (a CPU)
+            check(q, layer, parts.packed()[0], positions)
+            return attend_parts(c, layer, q, parts, positions, scaling)
+
+        cache.policy.attend, cache.policy.attend_parts = spy, spy_parts
         with torch.no_grad():
             model.generate(ids, min_new_tokens=16, max_new_tokens=16, do_sample=False,
                            past_key_values=cache)
@@ -214,6 +221,7 @@ def test_policies_keep_device_and_host_tensors_apart(model_and_tok, passkey_case
     with TieredCache(model, TierConfig(device_budget="10MB", host_budget="1GB"), policy,
                      select=SelectConfig(budget=0.1)) as cache:
         p = cache.policy
+        cache.in_place = False  # a simulated GPU: fetches packed, as on CUDA
         attend, fetch, observe = p.attend, p.fetch, p.observe_prefill
 
         def on_attend(c, layer, q, k, v, positions, scaling):
@@ -549,9 +557,10 @@ def test_decode_steps_compute_on_decode_threads_and_put_them_back(model_and_tok,
         with TieredCache(model, config, "tierkv") as cache, torch.no_grad():
             assert cache.decode_threads == 1
             seen = []
-            attend = cache.policy.attend
-            monkeypatch.setattr(cache.policy, "attend",
-                                lambda *a: seen.append(torch.get_num_threads()) or attend(*a))
+            for name in ("attend", "attend_parts"):  # packed, or read in place (a CPU)
+                real = getattr(cache.policy, name)
+                monkeypatch.setattr(cache.policy, name, lambda *a, real=real:
+                                    seen.append(torch.get_num_threads()) or real(*a))
             model(ids, past_key_values=cache, use_cache=True)
             assert torch.get_num_threads() == 2
             model(ids[:, -1:], past_key_values=cache, use_cache=True)
@@ -560,6 +569,7 @@ def test_decode_steps_compute_on_decode_threads_and_put_them_back(model_and_tok,
             def broken(*args):
                 raise RuntimeError("attention failed")
             monkeypatch.setattr(cache.policy, "attend", broken)
+            monkeypatch.setattr(cache.policy, "attend_parts", broken)
             with pytest.raises(RuntimeError, match="attention failed"):
                 model(ids[:, -1:], past_key_values=cache, use_cache=True)
             assert torch.get_num_threads() == 2
@@ -601,6 +611,7 @@ def test_a_forward_outside_no_grad_runs_without_autograd(model_and_tok, passkey_
         def broken(*args):
             raise RuntimeError("attention failed")
         monkeypatch.setattr(cache.policy, "attend", broken)
+        monkeypatch.setattr(cache.policy, "attend_parts", broken)
         with pytest.raises(RuntimeError, match="attention failed"):
             model(ids[:, -1:], past_key_values=cache, use_cache=True)
         assert torch.is_grad_enabled()

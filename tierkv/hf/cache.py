@@ -26,6 +26,7 @@ from ..config import ChunkConfig, SelectConfig, TierConfig
 from ..pipeline import CompressionController, FetchPlan, Metrics, Pipeline
 from ..pipeline.transfer import as_caller
 from ..policies import Policy, make_policy
+from ..scattered import Scattered, layer_parts, reads_in_place
 from ..shapes import KVShape
 from ..storage.base import KVBlock, TierFullError
 from ..storage.probe import read_bandwidth
@@ -93,6 +94,9 @@ class TieredCache(Cache):
         to leave them. On a CPU one fewer than torch's when the cache was made, at least one:
         the pipeline's copies and reads take the core left (``bench.decode``'s 8K ``tierkv``
         case, 2-core machine, in one process: 93.7 ms a token on one thread against 97.2).
+    in_place : whether a CPU decode step attends its fetched records where the tiers hold them
+        (``tierkv.scattered``) instead of packed into a block: on where the kernel runs and the
+        policy reads parts (``Policy.reads_parts``: ``omnikv``, ``tierkv``).
     """
 
     def __init__(self, model, config: TierConfig | None = None, policy: str = "tierkv", *,
@@ -140,6 +144,7 @@ class TieredCache(Cache):
             controller.assume_disk(read_bandwidth(self.store.disk.path))
         self.device = self.store.device.device
         self.fetch_ahead = self.device.type == "cuda"
+        self.in_place = self.policy.reads_parts and reads_in_place(self.shape, self.device)
         self.decode_threads = max(1, torch.get_num_threads() - 1) if self.device.type == "cpu" else None
         self._before = None  # torch's threads and grad mode before a forward pass changed them
         self.metrics = Metrics()
@@ -223,16 +228,6 @@ class TieredCache(Cache):
         self._after_attention(layer, decoding=q.shape[1] == 1)
         return out.transpose(0, 1).unsqueeze(0)
 
-    def check_whole(self, doing: str = "go on") -> None:
-        """RuntimeError when a forward pass failed part-way (an error, a full disk, Ctrl-C): some
-        layers then hold the step and others not, and nothing the cache computes is right."""
-        if self._failed is None and not self._in_forward:
-            return
-        cause = self._failed or "interrupted outside the attention (e.g. KeyboardInterrupt)"
-        raise RuntimeError(f"this TieredCache cannot {doing}: a forward pass failed part-way "
-                           f"({cause}), so its layers hold different lengths; close() it (a saved "
-                           "document reopens as it was saved) and start again")
-
     # -- decode -------------------------------------------------------------------------
     def reserve(self, tag: str, nbytes: int) -> None:
         """Account ``nbytes`` of device memory under ``tag``, evicting cached chunks if needed.
@@ -251,6 +246,10 @@ class TieredCache(Cache):
         positions = spec.positions
         wk, wv = self._window[layer]
         slot, n, w = self.slot_of[layer], positions.numel(), wk.shape[1]
+        if isinstance(block, Scattered):
+            parts = layer_parts(self._step, self.group_of[layer], block, spec.keep, slot, wk, wv)
+            return self.policy.attend_parts(self, layer, q, parts, self._positions(layer, positions, w),
+                                            scaling)
         k, v = block.keys[slot], block.values[slot]
         if spec.keep is not None:  # leaves smaller than their records: keep the leaves' tokens
             keep = spec.keep.to(k.device)
@@ -324,7 +323,7 @@ class TieredCache(Cache):
 
     def _plan(self, group: int, spec: Fetch) -> FetchPlan:
         return FetchPlan([(group, spec.keys)], spare=self.spare_tokens(group),
-                         default_importance=self._importance(group))
+                         default_importance=self._importance(group), packed=not self.in_place)
 
     def _fetch_bytes(self, group: int, spec: Fetch) -> int:
         """Device bytes a fetch of ``spec`` for ``group`` takes, with room for the window."""

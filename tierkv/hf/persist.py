@@ -17,6 +17,7 @@ from ..config import ChunkConfig, SelectConfig, TierConfig
 from ..shapes import text_config
 from ..storage.disk import DiskTier
 from ..storage.manifest import MANIFEST_ASIDE
+from .hooks import check_whole
 
 FORMAT_VERSION = 1
 
@@ -42,7 +43,7 @@ def save(cache, path) -> Path:
     refused with ValueError, and records of a replaced state the document no longer has go.
     """
     path = _as_path(path, "save")
-    cache.check_whole("be saved")
+    check_whole(cache, "be saved")
     tokens, known = cache.get_seq_length(), cache.token_ids.shape[1]
     if known != tokens:
         raise ValueError(f"the cache holds {tokens} tokens but knows the ids of {known} (the model "

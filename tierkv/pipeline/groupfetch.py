@@ -11,6 +11,7 @@ from tierkv.pipeline.device_cache import DeviceCache
 from tierkv.pipeline.metrics import Metrics
 from tierkv.pipeline.plan import GroupFetch
 from tierkv.pipeline.transfer import Delivery, Transfer
+from tierkv.scattered import Scattered
 from tierkv.storage.base import KVBlock, RecordKey, StorageError
 from tierkv.storage.codec import codec_name_by_id
 
@@ -63,10 +64,11 @@ class GroupFetcher:
             _raise_if(stopped)
             copy_start = time.perf_counter()
             delivery = self.transfer.assemble(
-                parts, ready, lambda block: self._admit(group, parts, on_disk, block), group.spare)
+                parts, ready, lambda block: self._admit(group, parts, on_disk, block), group.spare,
+                group.packed)
             copy_s = time.perf_counter() - copy_start
             self.metrics.record_stage("copy", copy_s)
-            if self.controller is not None:
+            if self.controller is not None and isinstance(delivery.block, KVBlock):
                 self.controller.observe_copy(delivery.block.nbytes, copy_s)
         finally:
             self.metrics.record_fetch(time.perf_counter() - start)
@@ -158,9 +160,13 @@ class GroupFetcher:
         return block
 
     def _admit(self, group: GroupFetch, parts: list[KVBlock], fetched: list[int],
-               out: KVBlock) -> None:
+               out: KVBlock | Scattered) -> None:
         """Offer the records just read from disk to the device cache (the tier copies them)."""
         if not fetched:
+            return
+        if isinstance(out, Scattered):  # the parts themselves, on the CPU device
+            for i in fetched:
+                self.cache.admit(group.keys[i], parts[i], group.importance[i], _priority(group))
             return
         offsets = list(itertools.accumulate((part.keys.shape[2] for part in parts), initial=0))
         for i in fetched:

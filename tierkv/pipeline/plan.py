@@ -14,6 +14,7 @@ class GroupFetch:
     ``importance`` holds one value per key (higher = hotter); it drives the device cache.
     ``position`` is the group's index in its plan (0: fetched first, with nothing to overlap).
     ``spare`` tokens of uninitialised room follow the records in the delivered block.
+    ``packed`` False: on a CPU the records are delivered as they are held (``Scattered``).
     """
 
     group: int
@@ -21,6 +22,7 @@ class GroupFetch:
     importance: tuple[float, ...]
     position: int
     spare: int = 0
+    packed: bool = True
 
 
 class FetchPlan:
@@ -40,11 +42,13 @@ class FetchPlan:
     default_importance : float, importance of keys without a value.
     spare : tokens of room left after each group's records in its delivered block, for the
         consumer to append its recent window without copying the fetched tokens again.
+    packed : False to have a CPU deliver each group's records as they are held, unpacked
+        (``scattered.Scattered``), for a consumer that reads them in place; CUDA always packs.
     """
 
     def __init__(self, groups: Iterable[tuple[int, Sequence[RecordKey]]],
                  importance: Mapping[RecordKey, float] | None = None,
-                 default_importance: float = 0.0, spare: int = 0):
+                 default_importance: float = 0.0, spare: int = 0, packed: bool = True):
         if isinstance(spare, bool) or not isinstance(spare, int) or spare < 0:
             raise ValueError(f"FetchPlan: spare={spare!r} must be a non-negative integer")
         importance = dict(importance or {})
@@ -58,7 +62,8 @@ class FetchPlan:
             unique = _dedupe(group, keys)
             weights = tuple(float(importance.get(k, default_importance)) for k in unique) \
                 if importance else (float(default_importance),) * len(unique)
-            self._groups.append(GroupFetch(group, unique, weights, len(self._groups), spare))
+            self._groups.append(GroupFetch(group, unique, weights, len(self._groups), spare,
+                                           bool(packed)))
 
     @property
     def groups(self) -> tuple[GroupFetch, ...]:

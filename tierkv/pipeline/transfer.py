@@ -5,17 +5,12 @@ stream in one contiguous transfer (the slots of parts already on the device are 
 them after it, in stream order), and an event is recorded per group; the consumer's stream waits
 on that event only, and no thread waits for the copy: the staging buffer comes from PyTorch's
 pinned-memory allocator, which records the copy and reuses the buffer only once the copy has
-run. Without CUDA it is a plain ``torch.cat``.
+run.
 
-On a CPU the device is host memory, so the ``torch.cat`` copies bytes attention could read where
-they lie. That was tried (2026-11-27): a C kernel attending each layer's records in place, by
-their addresses (each run of adjacent rows read once, merged by log-sum-exp), and the records
-delivered unpacked. At 8K on the 2-core machine (``bench.decode``'s ``tierkv`` case, packed and
-in place and ``full_memory`` decoding alternate blocks of 8 steps in one process, twice) the
-copy stage's time fell by three quarters and the stall from 0.31-0.32 of the step to 0.24, but
-the steps were no faster: 168.2 against 172.6 ms in one run, 174.7 against 168.8 in the other
-(``full_memory`` 160.9, 156.4), the kernel on one thread against SDPA on two. The stall that is
-left is mostly disk latency (``storage/ranking.py``). So a CPU packs as a GPU does.
+On a CPU the device is host memory, and a plan that is not ``packed`` is delivered as its
+records are held (``scattered.Scattered``, no copy): ``TieredCache`` asks for that where its
+policy attends parts in place (``Policy.reads_parts``; ``tierkv.scattered`` has the kernel, the
+measurements, and an earlier try that was not kept). Packed, it is a plain ``torch.cat``.
 
 A group is delivered whole, not layer by layer: its first layer waits for all of its layers'
 tokens. Delivering the first layer's tokens first (its own ``torch.cat``), the rest after, was
@@ -33,14 +28,16 @@ from typing import Callable
 
 import torch
 
+from tierkv.scattered import Scattered
 from tierkv.storage.base import KVBlock
 
 
 @dataclass
 class Delivery:
-    """A group's block on the device and, on CUDA, the event that marks it ready."""
+    """A group's block on the device (or its parts, ``Scattered``) and, on CUDA, the event
+    that marks it ready."""
 
-    block: KVBlock
+    block: KVBlock | Scattered
     event: "torch.cuda.Event | None" = None
 
 
@@ -70,15 +67,16 @@ class Transfer:
         return event
 
     def assemble(self, parts: list[KVBlock], after: "torch.cuda.Event | None",
-                 then: Callable[[KVBlock], None], spare: int = 0) -> Delivery:
+                 then: Callable[[KVBlock], None], spare: int = 0, packed: bool = True) -> Delivery:
         """One block of every part's tokens, in order, then ``spare`` uninitialised tokens;
-        keys/values (layers, heads, sum + spare, dim).
+        keys/values (layers, heads, sum + spare, dim). On a CPU with ``packed`` False, the
+        parts as they are instead (``Scattered``; no copy, no room).
 
         ``then(block)`` runs once the block is assembled, on the side stream on CUDA (before
         the group's event), so device work it enqueues is ordered before the consumer's use.
         """
         if not self.cuda:
-            block = _packed(parts, spare, torch.device("cpu"))
+            block = _packed(parts, spare, torch.device("cpu")) if packed else Scattered(tuple(parts))
             then(block)
             return Delivery(block)
         return self._assemble_cuda(parts, after, then, spare)

@@ -107,6 +107,9 @@ class Policy:
     lossy: ClassVar[bool] = False
     adaptive: ClassVar[bool] = False
     wants_prefill_mass: ClassVar[bool] = False
+    # whether ``attend_parts`` reads a fetch where it lies (a CPU decode step then skips the
+    # packed copy, ``tierkv.scattered``); the others' parts are packed for ``attend``
+    reads_parts: ClassVar[bool] = False
 
     def __init__(self, layers: int, select: SelectConfig, chunks: ChunkConfig, profile: dict):
         self.layers, self.select, self.chunks, self.profile = layers, select, chunks, profile
@@ -142,6 +145,12 @@ class Policy:
 
     def attend(self, cache, layer, q, k, v, positions, scaling) -> torch.Tensor:
         return decode_attention(q, k, v, scaling)
+
+    def attend_parts(self, cache, layer, q, parts, positions, scaling) -> torch.Tensor:
+        """``attend`` over ``parts`` (``scattered.LayerParts``: the layer's fetched records
+        where they lie, then its recent window)."""
+        k, v = parts.packed()
+        return self.attend(cache, layer, q, k, v, positions, scaling)
 
     def prompt_candidates(self, cache, layer: int, query: torch.Tensor) -> torch.Tensor | None:
         """Leaves ``layer`` would fetch of its own KV were ``query`` (q_heads, head_dim), a

@@ -19,6 +19,7 @@ a token out is not outvoted by heads spread thin.
 import torch
 
 from ..attention import scored_decode_attention
+from ..scattered import attend_parts
 from .base import Policy, filter_layers_of, keys_gather, register
 
 # Proposed by `tierkv calibrate` for SmolLM2-135M (inter-layer attention similarity).
@@ -61,6 +62,7 @@ class OmniKV(Policy):
     """Filter layers choose; each following layer group fetches the chosen chunks together."""
 
     name = "omnikv"
+    reads_parts = True
 
     def __init__(self, layers, select, chunks, profile):
         super().__init__(layers, select, chunks, profile)
@@ -146,6 +148,16 @@ class OmniKV(Policy):
         out, probs = scored_decode_attention(q, k, v, scaling)
         self._choose(cache, layer, probs.amax(dim=(0, 1)), positions)
         return out
+
+    def attend_parts(self, cache, layer, q, parts, positions, scaling):
+        if layer in self.filters:
+            out, probs = attend_parts(q, parts, scaling, scored=True)
+            self._choose(cache, layer, probs.amax(dim=(0, 1)), positions)
+            return out
+        g = cache.group_of[layer]
+        if g in self._to_adapt and cache.groups[g][0] == layer:  # the fold reads the keys
+            self._adapt(cache, layer, parts.packed()[0], positions)
+        return attend_parts(q, parts, scaling)
 
     def _adapt(self, cache, layer, k, positions):
         """In the first layer of a group (whose keys the tree summarises), fold the filter

@@ -1,0 +1,197 @@
+"""Attention over a fetch's records where they lie, on a CPU: no packed copy of them.
+
+On a CPU the device tier is host memory, so packing a layer group's records into one block
+(``pipeline.transfer``) copies bytes attention could read in place: at 8K tokens of SmolLM2 a
+``tierkv`` decode step packed ~45 MB, 17 MB of it on the decoding thread (layers 0 and 1 and
+the filter layers, whose fetch is known only from their query) and the rest on the fetch
+threads, beside the step's own compute on the same two cores. A group fetched for a policy that
+reads parts (``Policy.reads_parts``) is delivered ``Scattered`` (its records as the tiers hold
+them); its table of addresses is made once a step, and each layer attends its parts and its
+recent window in one call of ``kernels.decode_attend_parts`` (each kv head's scores over every
+part merged once, the next parts' keys prefetched: they lie apart).
+
+Measured on the 2-core CPU, ``bench.decode``'s 8K ``tierkv`` case (device 5 % / host 20 % of
+the KV), one cache decoding alternate blocks of 8 steps packed and in place (the first step of
+each block left out), 2026-11-28, ms a token (CPU ms a step):
+
+=====================================  =============  =============  =============
+run                                    packed         decoding       every fetch
+                                                      thread's only  in place
+=====================================  =============  =============  =============
+24 rounds                              115.8          111.7          -
+12 rounds                              113.3 (124.7)  114.3 (125.1)  111.7 (117.9)
+16 rounds                              112.1 (122.5)  108.5 (119.0)  107.1 (113.3)
+=====================================  =============  =============  =============
+
+The filter layers' attention functions took 15-16 ms a step against 16-19 packed. The gain is a
+few percent, below what one run resolves, but it went the same way in five runs of six, and the
+CPU time fell by 5-9 ms a step, so every fetch reads in place. The kernel alone attends 100
+records of 8 tokens as fast as a packed block when they are cached (147 against 126 us) and
+~1.6x slower when they are not; the records a step reads are mostly last step's. With
+``fetch_ahead`` on top (the preselected candidates looked up while the layers before compute,
+nothing to copy now), the filter layers took 10.3 ms but the selecting layers waited longer
+(20.7 against 13.7): 111.0 ms a token, not kept.
+
+Tried first on 2026-11-27, when decode attention ran SDPA on two threads over a packed block
+against the kernel on one thread in place: the copy stage's time fell by three quarters and the
+stall from 0.31-0.32 of the step to 0.24, but the steps were no faster (168.2 against 172.6 ms,
+then 174.7 against 168.8). Not kept then; since, the packed path runs the kernel on one thread
+too.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import kernels
+from .storage.base import KVBlock
+
+FIELDS = 7  # a table row: k, v addresses; k, v layer strides; k, v head strides (bytes); tokens
+
+
+class Scattered(NamedTuple):
+    """A layer group's fetched records as they are held, in plan order (a CPU delivery that
+    is not packed): each KVBlock (layers, kv_heads, tokens, head_dim)."""
+
+    parts: tuple[KVBlock, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+
+def reads_in_place(shape, device: torch.device) -> bool:
+    """Whether ``attend_parts`` runs for KV of ``shape`` (a KVShape) on ``device``: a CPU, the
+    kernel built for this CPU, and a GQA group and head_dim it reads."""
+    q_heads, kv_heads = shape.q_heads or shape.kv_heads, shape.kv_heads
+    return (torch.device(device).type == "cpu" and kernels.decode_attend_parts is not None
+            and q_heads % kv_heads == 0
+            and kernels.fits(q_heads // kv_heads, shape.head_dim, shape.dtype))
+
+
+class GroupTable(NamedTuple):
+    """The addresses of a Scattered group's attended tokens: int64 (rows, FIELDS), and what
+    keeps them alive."""
+
+    table: torch.Tensor
+    tokens: int
+    parts: tuple[KVBlock, ...]
+    keep: torch.Tensor | None
+
+
+def group_table(block: Scattered, keep: torch.Tensor | None) -> GroupTable:
+    """The table of ``block``'s tokens, or of those at ``keep`` (ascending indices into the
+    parts' tokens in order): one row per run of adjacent kept tokens within a part.
+
+    A part that is not contiguous (a view into a larger block) is copied first; the tiers hold
+    contiguous copies, so a fetch's parts are read where they lie."""
+    parts = block.parts
+    if not parts:
+        raise ValueError("group_table: a Scattered block with no parts")
+    rows = [(k.data_ptr(), v.data_ptr(), k.shape[2], k.is_contiguous() and v.is_contiguous())
+            for k, v in parts]
+    if not all(row[3] for row in rows):
+        parts = tuple(p if row[3] else KVBlock(p.keys.contiguous(), p.values.contiguous())
+                      for p, row in zip(parts, rows))
+        rows = [(k.data_ptr(), v.data_ptr(), k.shape[2], True) for k, v in parts]
+    _, heads, _, dim = parts[0].keys.shape
+    at = torch.tensor(rows, dtype=torch.long)
+    lengths = at[:, 2]
+    row_bytes = dim * parts[0].keys.element_size()
+    table = torch.empty(len(rows), FIELDS, dtype=torch.long)
+    table[:, :2] = at[:, :2]
+    table[:, 2:4] = (lengths * (heads * row_bytes)).unsqueeze(1)
+    table[:, 4:6] = (lengths * row_bytes).unsqueeze(1)
+    table[:, 6] = lengths
+    if keep is None:
+        return GroupTable(table, int(lengths.sum()), parts, None)
+    starts = torch.cumsum(lengths, 0) - lengths
+    part = torch.searchsorted(starts, keep, right=True) - 1
+    new_run = torch.ones(keep.numel(), dtype=torch.bool)
+    new_run[1:] = (keep.diff() != 1) | (part.diff() != 0)
+    first_of_run = new_run.nonzero().flatten()
+    run_len = torch.diff(first_of_run, append=torch.tensor([keep.numel()]))
+    run_part = part[first_of_run]
+    offset = (keep[first_of_run] - starts[run_part]) * row_bytes
+    table = table[run_part]
+    table[:, 0] += offset
+    table[:, 1] += offset
+    table[:, 6] = run_len
+    return GroupTable(table, keep.numel(), parts, keep)
+
+
+class LayerParts(NamedTuple):
+    """What one layer of a Scattered group attends: the group's table at layer ``slot``, then
+    its recent window ``window_k`` / ``window_v`` (kv_heads, w, head_dim), w >= 0."""
+
+    group: GroupTable
+    slot: int
+    window_k: torch.Tensor
+    window_v: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        return self.group.tokens + self.window_k.shape[1]
+
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys and values in one tensor each (kv_heads, tokens, head_dim): a copy,
+        for the work that needs them so (a tree fold)."""
+        g, slot = self.group, self.slot
+        k = torch.cat([p.keys[slot] for p in g.parts], dim=1)
+        v = torch.cat([p.values[slot] for p in g.parts], dim=1)
+        if g.keep is not None:
+            k, v = k.index_select(1, g.keep), v.index_select(1, g.keep)
+        return torch.cat([k, self.window_k], dim=1), torch.cat([v, self.window_v], dim=1)
+
+
+def layer_parts(step: dict, group: int, block: Scattered, keep: torch.Tensor | None, slot: int,
+                window_k: torch.Tensor, window_v: torch.Tensor) -> LayerParts:
+    """What layer ``slot`` of ``group`` attends: its group's table is made once a step (kept in
+    ``step``, the cache's per-step dict, under ``("table", group)``) for the group's layers."""
+    held = step.get(("table", group))
+    if held is None or held[0] is not block or held[1] is not keep:
+        held = block, keep, group_table(block, keep)
+        step[("table", group)] = held
+    return LayerParts(held[2], slot, window_k, window_v)
+
+
+def attend_parts(q: torch.Tensor, parts: LayerParts, scaling: float, scored: bool = False):
+    """Decode attention of ``q`` (q_heads, 1, head_dim) over ``parts``, read in place.
+
+    Returns the output (q_heads, 1, head_dim) in q's dtype, and with ``scored`` the softmax
+    probabilities too, (kv_heads, group, tokens) fp32, as ``attention.scored_decode_attention``.
+    """
+    q_heads, _, dim = q.shape
+    k = parts.window_k
+    first = parts.group.parts[0].keys
+    kv_heads = first.shape[1]
+    if (first.dtype, kv_heads, first.shape[3]) != (k.dtype, k.shape[0], k.shape[2]) or \
+            k.shape[2] != dim or q_heads % kv_heads:
+        raise ValueError(f"attend_parts: records {tuple(first.shape)} {first.dtype}, window "
+                         f"{tuple(k.shape)} {k.dtype} and query {tuple(q.shape)} do not match")
+    g = q_heads // kv_heads
+    size = k.element_size()
+    qs = (q[:, 0].float() * scaling).contiguous()
+    top = torch.full((kv_heads, g), float("-inf"))
+    total = torch.zeros(kv_heads, g)
+    out = torch.zeros(kv_heads, g, dim)
+    probs = torch.empty(kv_heads, g, parts.tokens) if scored else None
+    w = k.shape[1]
+    extra = None
+    if w:
+        v = parts.window_v
+        if k.stride(-1) != 1 or k.stride(-2) != dim or v.stride(-1) != 1 or v.stride(-2) != dim:
+            k, v = k.contiguous(), v.contiguous()
+        extra = torch.tensor([k.data_ptr(), v.data_ptr(), k.stride(0) * size, v.stride(0) * size, w],
+                             dtype=torch.long)
+    table = parts.group.table
+    kernels.decode_attend_parts(qs.data_ptr(), table.data_ptr(), table.shape[0], parts.slot,
+                                0 if extra is None else extra.data_ptr(), top.data_ptr(),
+                                total.data_ptr(), out.data_ptr(),
+                                0 if probs is None else probs.data_ptr(), kv_heads, g, dim,
+                                kernels.KINDS[k.dtype])
+    result = (out / total.unsqueeze(-1)).reshape(q_heads, 1, dim).to(q.dtype)
+    if not scored:
+        return result
+    return result, probs.div_(total.unsqueeze(-1))
