@@ -46,6 +46,8 @@ def test_reading_in_place_decodes_as_the_packed_blocks_do(model_and_tok, monkeyp
                 for i in range(10):
                     token = torch.tensor([[follow[i]]])
                     steps.append(model(token, past_key_values=cache, use_cache=True).logits[0, -1])
+                    # each group's records are let go after its last layer, tables too
+                    assert not [key for key in cache._step if key[0] in ("fetch", "table")]
                     if not in_place:
                         follow.append(int(steps[-1].argmax()))
                 logits[in_place] = torch.stack(steps)

@@ -417,6 +417,7 @@ class TieredCache(Cache):
         if last and g in self._folds:
             self._folds.pop(g).result()
         if last and self._step.pop(("fetch", g), None) is not None:
+            self._step.pop(("table", g), None)  # a Scattered fetch's records: let go too
             self.store.device.reserve(f"fetch:{g}", 0)
         for chosen in self._chosen:
             self.prefetch(chosen, self._step[("select", chosen)])
