@@ -296,49 +296,54 @@ PyObject *py_decode_attend(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* decode_attend_parts(q, table, count, slot, extra, top, sum, out, scores, B, g, d, kind)
+/* decode_attend_parts(q, scaling, table, count, slot, wk, wv, wk_head, wv_head, wn, out, scores,
+ *                     tokens, B, g, d, kind)
  *
  * Attention of one query token over the keys and values of parts that lie apart (the records
- * of a fetch where they are held, then a recent window), read in place: no packed copy.
+ * of a fetch where they are held, then a recent window), read in place: no packed copy. The
+ * whole call is here, so that a layer costs Python one call and two allocations (at 8K tokens
+ * of SmolLM2, the softmax state and the scaled query made with torch took ~150 us a layer
+ * inside a decode step, against ~280 us for the kernel itself).
  *
+ *   q      fp32 (B, g, d), contiguous, unscaled: scaled by `scaling` into a copy
  *   table  int64 (count, 7): per part, the addresses of its keys and values (layer 0, kv head 0,
  *          first token), the bytes from one layer to the next in each, from one kv head to the
  *          next in each, and its tokens n >= 1; a part's rows (tokens) are contiguous
  *   slot   the layer of the parts read: its rows start slot * layer bytes on
- *   extra  int64 (5,) or 0: one more part, layer 0 of it (k, v, k_head, v_head, n)
- *   top, sum, out  the running state, as in decode_attend (B, g) / (B, g, d)
- *   scores fp32 (B, g, N) for every token's exp(s - top) after the call (probabilities once
- *          divided by sum, when the state was fresh), or 0
+ *   wk, wv, wk_head, wv_head, wn   the window, one more part (0 tokens: none)
+ *   out    fp32 (B, g, d): the attention output, normalised
+ *   scores fp32 (B, g, tokens) for every token's probability, or 0; tokens must be the parts'
+ *          and the window's tokens together
  */
 PyObject *py_decode_attend_parts(PyObject *self, PyObject *args)
 {
-    Py_ssize_t q, table, count, slot, extra, top, sum, out, scores, B, g, d;
+    Py_ssize_t q, table, count, slot, wk, wv, wk_head, wv_head, wn, out, scores, tokens, B, g, d;
+    double scaling;
     int kind;
     (void)self;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnni", &q, &table, &count, &slot, &extra, &top, &sum,
-                          &out, &scores, &B, &g, &d, &kind))
+    if (!PyArg_ParseTuple(args, "ndnnnnnnnnnnnnnni", &q, &scaling, &table, &count, &slot, &wk,
+                          &wv, &wk_head, &wv_head, &wn, &out, &scores, &tokens, &B, &g, &d,
+                          &kind))
         return NULL;
-    if (!kernel_fits(B, g, d, kind) || count < 0 || (count == 0 && extra == 0) || slot < 0) {
+    if (!kernel_fits(B, g, d, kind) || count < 0 || wn < 0 || count + wn == 0 || slot < 0) {
         PyErr_Format(PyExc_ValueError, "decode_attend_parts: no kernel for B=%zd g=%zd d=%zd "
-                     "kind=%d count=%zd slot=%zd on this CPU", B, g, d, kind, count, slot);
+                     "kind=%d count=%zd window=%zd slot=%zd on this CPU", B, g, d, kind, count,
+                     wn, slot);
         return NULL;
     }
 #ifdef HAVE_AVX2_PATH
-    Py_ssize_t total = count + (extra != 0);
+    Py_ssize_t total = count + (wn > 0);
     struct part *parts = malloc((size_t)total * sizeof(struct part));
     if (parts == NULL)
         return PyErr_NoMemory();
     Py_ssize_t pitch = 0;
     const int64_t *row = (const int64_t *)table;
-    for (Py_ssize_t i = 0; i < total; i++, row += 7) {
-        if (i == count)
-            row = (const int64_t *)extra;
-        int whole = i < count;
-        parts[i].k = (const char *)(row[0] + (whole ? slot * row[2] : 0));
-        parts[i].v = (const char *)(row[1] + (whole ? slot * row[3] : 0));
-        parts[i].k_head = whole ? row[4] : row[2];
-        parts[i].v_head = whole ? row[5] : row[3];
-        parts[i].n = whole ? row[6] : row[4];
+    for (Py_ssize_t i = 0; i < count; i++, row += 7) {
+        parts[i].k = (const char *)(row[0] + slot * row[2]);
+        parts[i].v = (const char *)(row[1] + slot * row[3]);
+        parts[i].k_head = row[4];
+        parts[i].v_head = row[5];
+        parts[i].n = row[6];
         if (parts[i].n < 1) {
             free(parts);
             PyErr_Format(PyExc_ValueError, "decode_attend_parts: part %zd has %zd tokens", i,
@@ -347,17 +352,44 @@ PyObject *py_decode_attend_parts(PyObject *self, PyObject *args)
         }
         pitch += parts[i].n;
     }
-    float *buffer = scores ? (float *)scores : malloc((size_t)(g * pitch) * sizeof(float));
-    if (buffer == NULL) {
+    if (wn > 0) {
+        parts[count] = (struct part){(const char *)wk, (const char *)wv, wk_head, wv_head, wn};
+        pitch += wn;
+    }
+    if (scores && pitch != tokens) {
+        free(parts);
+        PyErr_Format(PyExc_ValueError, "decode_attend_parts: the parts hold %zd tokens, the "
+                     "scores %zd", pitch, tokens);
+        return NULL;
+    }
+    /* the scaled query, the softmax state (max, sum) and the scores when not asked for */
+    size_t state = (size_t)(B * g) * (size_t)(d + 2) + (scores ? 0 : (size_t)(g * pitch));
+    float *qs = malloc(state * sizeof(float));
+    if (qs == NULL) {
         free(parts);
         return PyErr_NoMemory();
     }
+    float *top = qs + B * g * d, *sum = top + B * g, *o = (float *)out;
+    float *buffer = scores ? (float *)scores : sum + B * g;
     Py_BEGIN_ALLOW_THREADS
-    ATTEND_PARTS_AVX2[g]((const float *)q, parts, total, (float *)top, (float *)sum, (float *)out,
-                         B, pitch, d, buffer, scores != 0, kind);
+    for (Py_ssize_t i = 0; i < B * g * d; i++) {
+        qs[i] = ((const float *)q)[i] * (float)scaling;
+        o[i] = 0.0f;
+    }
+    for (Py_ssize_t i = 0; i < B * g; i++) {
+        top[i] = -INFINITY;
+        sum[i] = 0.0f;
+    }
+    ATTEND_PARTS_AVX2[g](qs, parts, total, top, sum, o, B, pitch, d, buffer, scores != 0, kind);
+    for (Py_ssize_t i = 0; i < B * g; i++) {
+        for (Py_ssize_t j = 0; j < d; j++)
+            o[i * d + j] /= sum[i];
+        if (scores)
+            for (Py_ssize_t t = 0; t < pitch; t++)
+                buffer[i * pitch + t] /= sum[i];
+    }
     Py_END_ALLOW_THREADS
-    if (!scores)
-        free(buffer);
+    free(qs);
     free(parts);
 #endif
     Py_RETURN_NONE;

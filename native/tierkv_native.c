@@ -250,9 +250,9 @@ static PyMethodDef methods[] = {
      "Merge one part's attention into a running softmax state; addresses, checked by the caller\n"
      "(tierkv.attention.DecodeAccumulator)."},
     {"decode_attend_parts", py_decode_attend_parts, METH_VARARGS,
-     "decode_attend_parts(q, table, count, slot, extra, top, sum, out, scores, B, g, d, kind)\n"
-     "-> None\n\nAttention over parts read where they lie (native/attend.c); addresses, checked\n"
-     "by the caller (tierkv.attention.attend_parts)."},
+     "decode_attend_parts(q, scaling, table, count, slot, wk, wv, wk_head, wv_head, wn, out,\n"
+     "scores, tokens, B, g, d, kind) -> None\n\nAttention over parts read where they lie\n"
+     "(native/attend.c); addresses, checked by the caller (tierkv.scattered.attend_parts)."},
     {"kernels_ready", py_kernels_ready, METH_NOARGS,
      "kernels_ready() -> bool: whether this CPU runs decode_attend and bound_scores\n"
      "(x86-64 with AVX2, FMA and F16C); where not, callers take torch's path."},

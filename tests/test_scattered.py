@@ -116,13 +116,19 @@ def test_no_parts_no_table():
 
 @needs_kernel
 def test_the_parts_kernel_refuses_what_it_does_not_take():
-    with pytest.raises(ValueError, match="no kernel"):
-        tierkv.kernels.decode_attend_parts(0, 0, 0, 0, 0, 0, 0, 0, 0, 3, 3, 64, 0)  # no parts
+    kernel = tierkv.kernels.decode_attend_parts
+    q, out = torch.zeros(3, 3, 64), torch.zeros(3, 3, 64)
+    with pytest.raises(ValueError, match="no kernel"):  # no parts and no window
+        kernel(q.data_ptr(), 0.1, 0, 0, 0, 0, 0, 0, 0, 0, out.data_ptr(), 0, 0, 3, 3, 64, 0)
     table = torch.tensor([[0, 0, 0, 0, 0, 0, 0]])
-    top, total, out = torch.zeros(3, 3), torch.zeros(3, 3), torch.zeros(3, 3, 64)
     with pytest.raises(ValueError, match="part 0 has 0 tokens"):
-        tierkv.kernels.decode_attend_parts(0, table.data_ptr(), 1, 0, 0, top.data_ptr(),
-                                           total.data_ptr(), out.data_ptr(), 0, 3, 3, 64, 0)
+        kernel(q.data_ptr(), 0.1, table.data_ptr(), 1, 0, 0, 0, 0, 0, 0, out.data_ptr(), 0, 0,
+               3, 3, 64, 0)
+    k, v = torch.zeros(3, 4, 64), torch.zeros(3, 4, 64)
+    scores = torch.zeros(3, 3, 5)
+    with pytest.raises(ValueError, match="the parts hold 4 tokens, the scores 5"):
+        kernel(q.data_ptr(), 0.1, 0, 0, 0, k.data_ptr(), v.data_ptr(), 4 * 64 * 4, 4 * 64 * 4, 4,
+               out.data_ptr(), scores.data_ptr(), 5, 3, 3, 64, 0)
 
 
 def test_reads_in_place_only_where_the_kernel_runs(monkeypatch):
