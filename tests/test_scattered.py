@@ -9,6 +9,7 @@ from tierkv.pipeline import FetchPlan, Pipeline
 from tierkv.shapes import KVShape
 from tierkv.scattered import (LayerParts, Scattered, attend_parts, group_table, layer_parts,
                               reads_in_place)
+from tierkv.scattered import scattered as scatter
 from tierkv.storage.base import KVBlock
 
 needs_kernel = pytest.mark.skipif(tierkv.kernels.decode_attend_parts is None,
@@ -23,7 +24,7 @@ def scattered(dtype, sizes=(8, 8, 32, 5, 128, 1), layers=3, heads=3, dim=64, see
     big = KVBlock(torch.randn(layers, heads, 40, dim, generator=g).to(dtype),
                   torch.randn(layers, heads, 40, dim, generator=g).to(dtype))
     parts.append(KVBlock(big.keys[:, :, 3:19], big.values[:, :, 3:19]))
-    return Scattered(tuple(parts))
+    return scatter(parts)
 
 
 def window(dtype, heads=3, dim=64, w=7, room=50, seed=1):
@@ -76,7 +77,7 @@ def test_a_table_row_is_a_run_of_kept_tokens_within_one_record():
 @needs_kernel
 def test_a_record_that_is_not_contiguous_is_copied_first():
     k = torch.randn(3, 3, 64, 10).transpose(2, 3)  # (layers, heads, 10 tokens, 64): rows apart
-    block = Scattered((KVBlock(k, k.clone()),))
+    block = scatter([KVBlock(k, k.clone())])
     table = group_table(block, None)
     assert table.parts[0].keys.is_contiguous() and table.table[0, 0] != k.data_ptr()
     q = torch.randn(9, 1, 64)
@@ -95,7 +96,7 @@ def test_a_group_table_is_made_once_a_step_for_its_layers():
     assert first.group is second.group and second.slot == 2
     keep = torch.tensor([1, 2, 3])
     assert layer_parts(step, 4, block, keep, 0, wk, wv).group.tokens == 3  # another selection
-    assert layer_parts(step, 4, Scattered(block.parts), keep, 0, wk, wv).group is not first.group
+    assert layer_parts(step, 4, scatter(block.parts), keep, 0, wk, wv).group is not first.group
 
 
 @needs_kernel
@@ -109,9 +110,17 @@ def test_records_window_and_query_that_do_not_match_are_refused():
             attend_parts(query, LayerParts(table, 0, wk, wv), 0.1)
 
 
+def test_a_delivery_counts_its_parts_tokens_and_bytes_once():
+    block = scattered(torch.float16)
+    assert block.tokens == sum(p.keys.shape[2] for p in block.parts) == 198
+    assert block.nbytes == sum(p.nbytes for p in block.parts)
+    assert block.table[:, 6].tolist() == [p.keys.shape[2] for p in block.parts]
+    assert group_table(block, None).table is block.table  # every layer reads the one table
+
+
 def test_no_parts_no_table():
     with pytest.raises(ValueError, match="no parts"):
-        group_table(Scattered(()), None)
+        scatter([])
 
 
 @needs_kernel

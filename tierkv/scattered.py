@@ -6,8 +6,9 @@ On a CPU the device tier is host memory, so packing a layer group's records into
 the filter layers, whose fetch is known only from their query) and the rest on the fetch
 threads, beside the step's own compute on the same two cores. A group fetched for a policy that
 reads parts (``Policy.reads_parts``) is delivered ``Scattered`` (its records as the tiers hold
-them); its table of addresses is made once a step, and each layer attends its parts and its
-recent window in one call of ``kernels.decode_attend_parts`` (each kv head's scores over every
+them) with the table of their addresses, made where the parts are gathered (``scattered``:
+on a fetch thread for a group fetched ahead, not on the decoding thread), and each layer
+attends its parts and its recent window in one call of ``kernels.decode_attend_parts`` (each kv head's scores over every
 part merged once, the next parts' keys prefetched: they lie apart).
 
 Measured on the 2-core CPU, ``bench.decode``'s 8K ``tierkv`` case (device 5 % / host 20 % of
@@ -38,6 +39,10 @@ layer costs Python one call and two allocations. Made with torch beside the kern
 ~150 us a layer inside a decode step against ~280 us for the kernel; one cache decoding
 alternate blocks of 8 steps each way (12 rounds, 2026-11-28): 94.9 against 101.2 ms a token
 (median 93.0 against 98.9), 101.7 against 108.9 CPU ms a step.
+Making the table (and counting the bytes) of ~100 parts took ~0.9 ms a group inside a step on
+the decoding thread, ~5 ms a step; made with the delivery instead, one cache alternating the
+two (12 rounds, twice, 2026-11-28): 101.8 against 110.9 and 90.4 against 91.9 ms a token
+(medians 97.2 against 110.5, 85.4 against 90.0).
 
 Tried first on 2026-11-27, when decode attention ran SDPA on two threads over a packed block
 against the kernel on one thread in place: the copy stage's time fell by three quarters and the
@@ -59,13 +64,40 @@ FIELDS = 7  # a table row: k, v addresses; k, v layer strides; k, v head strides
 
 class Scattered(NamedTuple):
     """A layer group's fetched records as they are held, in plan order (a CPU delivery that
-    is not packed): each KVBlock (layers, kv_heads, tokens, head_dim)."""
+    is not packed): each KVBlock (layers, kv_heads, tokens, head_dim), contiguous, and
+    ``table``, their addresses (int64 (parts, FIELDS)). Made by ``scattered``."""
 
     parts: tuple[KVBlock, ...]
+    table: torch.Tensor
+    tokens: int
+    nbytes: int
 
-    @property
-    def nbytes(self) -> int:
-        return sum(part.nbytes for part in self.parts)
+
+def scattered(parts) -> Scattered:
+    """``parts`` (alike KVBlocks) delivered where they lie, with the table of their addresses:
+    made once, where the parts are gathered (on a fetch thread, for a group fetched ahead), for
+    every layer of the group. A part that is not contiguous (a view into a larger block) is
+    copied first; the tiers hold contiguous copies, so a fetch's parts are read in place."""
+    parts = tuple(parts)
+    if not parts:
+        raise ValueError("scattered: no parts")
+    rows = [(k.data_ptr(), v.data_ptr(), k.shape[2], k.is_contiguous() and v.is_contiguous())
+            for k, v in parts]
+    if not all(row[3] for row in rows):
+        parts = tuple(p if row[3] else KVBlock(p.keys.contiguous(), p.values.contiguous())
+                      for p, row in zip(parts, rows))
+        rows = [(k.data_ptr(), v.data_ptr(), k.shape[2], True) for k, v in parts]
+    layers, heads, _, dim = parts[0].keys.shape
+    at = torch.tensor(rows, dtype=torch.long)
+    lengths = at[:, 2]
+    row_bytes = dim * parts[0].keys.element_size()
+    table = torch.empty(len(rows), FIELDS, dtype=torch.long)
+    table[:, :2] = at[:, :2]
+    table[:, 2:4] = (lengths * (heads * row_bytes)).unsqueeze(1)
+    table[:, 4:6] = (lengths * row_bytes).unsqueeze(1)
+    table[:, 6] = lengths
+    tokens = int(lengths.sum())
+    return Scattered(parts, table, tokens, 2 * layers * heads * row_bytes * tokens)
 
 
 def reads_in_place(shape, device: torch.device) -> bool:
@@ -89,30 +121,12 @@ class GroupTable(NamedTuple):
 
 def group_table(block: Scattered, keep: torch.Tensor | None) -> GroupTable:
     """The table of ``block``'s tokens, or of those at ``keep`` (ascending indices into the
-    parts' tokens in order): one row per run of adjacent kept tokens within a part.
-
-    A part that is not contiguous (a view into a larger block) is copied first; the tiers hold
-    contiguous copies, so a fetch's parts are read where they lie."""
-    parts = block.parts
-    if not parts:
-        raise ValueError("group_table: a Scattered block with no parts")
-    rows = [(k.data_ptr(), v.data_ptr(), k.shape[2], k.is_contiguous() and v.is_contiguous())
-            for k, v in parts]
-    if not all(row[3] for row in rows):
-        parts = tuple(p if row[3] else KVBlock(p.keys.contiguous(), p.values.contiguous())
-                      for p, row in zip(parts, rows))
-        rows = [(k.data_ptr(), v.data_ptr(), k.shape[2], True) for k, v in parts]
-    _, heads, _, dim = parts[0].keys.shape
-    at = torch.tensor(rows, dtype=torch.long)
-    lengths = at[:, 2]
-    row_bytes = dim * parts[0].keys.element_size()
-    table = torch.empty(len(rows), FIELDS, dtype=torch.long)
-    table[:, :2] = at[:, :2]
-    table[:, 2:4] = (lengths * (heads * row_bytes)).unsqueeze(1)
-    table[:, 4:6] = (lengths * row_bytes).unsqueeze(1)
-    table[:, 6] = lengths
+    parts' tokens in order): one row per run of adjacent kept tokens within a part."""
+    parts, table = block.parts, block.table
     if keep is None:
-        return GroupTable(table, int(lengths.sum()), parts, None)
+        return GroupTable(table, block.tokens, parts, None)
+    lengths = table[:, 6]
+    row_bytes = parts[0].keys.shape[3] * parts[0].keys.element_size()
     starts = torch.cumsum(lengths, 0) - lengths
     part = torch.searchsorted(starts, keep, right=True) - 1
     new_run = torch.ones(keep.numel(), dtype=torch.bool)

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from tierkv.scattered import Scattered
+from tierkv.scattered import Scattered, scattered
 from tierkv.storage.base import KVBlock
 
 
@@ -76,7 +76,7 @@ class Transfer:
         the group's event), so device work it enqueues is ordered before the consumer's use.
         """
         if not self.cuda:
-            block = _packed(parts, spare, torch.device("cpu")) if packed else Scattered(tuple(parts))
+            block = _packed(parts, spare, torch.device("cpu")) if packed else scattered(parts)
             then(block)
             return Delivery(block)
         return self._assemble_cuda(parts, after, then, spare)
