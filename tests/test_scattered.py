@@ -58,6 +58,8 @@ def test_parts_attend_as_their_packed_copy(dtype, kept, w):
         assert torch.allclose(out.float(), want.float(), atol=tol, rtol=0)
         assert torch.allclose(probs, want_probs, atol=1e-5 if dtype == torch.float32 else 1e-3)
         assert torch.equal(attend_parts(q, parts, 0.125), out)
+        index = torch.tensor([0, 3, parts.group.tokens - 1, 5])  # a fold's split leaves' tokens
+        assert torch.equal(parts.keys_at(index), k.index_select(1, index))
 
 
 @needs_kernel

@@ -165,6 +165,15 @@ class LayerParts(NamedTuple):
             k, v = k.index_select(1, g.keep), v.index_select(1, g.keep)
         return torch.cat([k, self.window_k], dim=1), torch.cat([v, self.window_v], dim=1)
 
+    def keys_at(self, index: torch.Tensor) -> torch.Tensor:
+        """The layer's keys of the fetched tokens at ``index`` (a CPU LongTensor into the
+        group's tokens, the recent window not among them): (kv_heads, len(index), head_dim), a
+        copy. A tree fold's split leaves are sealed tokens, so it reads them here, on the
+        cache's helper thread, while the window moves on."""
+        g, slot = self.group, self.slot
+        k = torch.cat([p.keys[slot] for p in g.parts], dim=1)
+        return k.index_select(1, index if g.keep is None else g.keep[index])
+
 
 def layer_parts(step: dict, group: int, block: Scattered, keep: torch.Tensor | None, slot: int,
                 window_k: torch.Tensor, window_v: torch.Tensor) -> LayerParts:

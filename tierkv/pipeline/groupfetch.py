@@ -94,7 +94,11 @@ class GroupFetcher:
                     raise FetchError(group.group, keys[i], "not held by any tier (unknown record)")
                 parts[i], sources[i] = block, where
         held = [i for i, part in enumerate(parts) if part is not None]
-        self.metrics.record_deliveries([sources[i] for i in held], [parts[i].nbytes for i in held])
+        if held:  # a held record spans its key's tokens (checked as it was put): bytes by tokens
+            first = parts[held[0]]
+            per_token = first.nbytes // first.keys.shape[2]
+            self.metrics.record_deliveries([sources[i] for i in held],
+                                           [keys[i].tokens * per_token for i in held])
         return parts, [i for i, part in enumerate(parts) if part is None]
 
     def _learn(self, group: GroupFetch, parts: list[KVBlock], on_disk: list[int]) -> None:

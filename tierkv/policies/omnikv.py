@@ -156,18 +156,20 @@ class OmniKV(Policy):
             return out
         g = cache.group_of[layer]
         if g in self._to_adapt and cache.groups[g][0] == layer:  # the fold reads the keys
-            self._adapt(cache, layer, parts.packed()[0], positions)
+            self._adapt(cache, layer, None, positions, parts.keys_at)
         return attend_parts(q, parts, scaling)
 
-    def _adapt(self, cache, layer, k, positions):
+    def _adapt(self, cache, layer, k, positions, keys_at=None):
         """In the first layer of a group (whose keys the tree summarises), fold the filter
-        layer's scores into the group's tree; its fetched keys serve the splits."""
+        layer's scores into the group's tree; its fetched keys ``k`` (or ``keys_at``, index ->
+        keys, read in place) serve the splits."""
         g = cache.group_of[layer]
         pending = self._to_adapt.pop(g, None)
         if pending is not None and cache.groups[g][0] == layer:
             scores, leaves = pending
             cache.in_background(g, cache.indexes[g].adapt, scores, leaves, self.select.sinks,
-                                keys_gather(k), positions, self.max_leaf(cache))
+                                keys_gather(k) if keys_at is None else keys_at, positions,
+                                self.max_leaf(cache))
 
     def _choose(self, cache, layer, token_mass, positions):
         target = self._target(cache, layer)
