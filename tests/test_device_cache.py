@@ -117,3 +117,15 @@ def test_device_cache_always_admits_by_default():
         key = RecordKey("d", 0, i, i + 1)
         assert cache.admit(key, _blk(key, 100), 1.0)
     assert cache.reuse == 0.0 and cache.skipped == 0
+
+
+def test_device_cache_touch_many_ranks_what_it_holds_as_a_read_would():
+    tier = DictTier("device", 200)
+    cache = DeviceCache(tier)
+    old, young, absent = (RecordKey("d", 0, i, i + 1) for i in range(3))
+    assert cache.admit(old, _blk(old, 100), 1.0) and cache.admit(young, _blk(young, 100), 1.0)
+    cache.touch_many([old, absent], [1.0, 7.0])  # a consumer read ``old`` again, kept
+    assert (cache.hits, cache.misses) == (1, 0)  # a hit; the absent key is no miss
+    newcomer = RecordKey("d", 0, 5, 6)
+    assert cache.admit(newcomer, _blk(newcomer, 100), 1.0)  # evicts the older-used ``young``
+    assert old in cache and young not in cache and absent not in cache

@@ -397,6 +397,31 @@ def test_fetch_now_delivers_in_the_calling_thread_and_counts_as_stall():
         pipe.fetch_now(FetchPlan([(1, keys[1])]))
 
 
+def test_refresh_ranks_a_groups_records_on_a_worker_without_fetching_them():
+    store, keys = filled_store()
+    touched = []
+    real = store.touch
+
+    def spy(ranks):
+        ranks = list(ranks)
+        touched.append((threading.current_thread(), ranks))
+        real(ranks)
+    store.touch = spy
+    with Pipeline(store, CPU) as pipe:
+        fetched = []
+        pipe._fetcher.fetch = lambda *a, **k: fetched.append(a)
+        pipe.refresh(FetchPlan([(1, keys[1])], default_importance=9.0))
+        assert pipe.wait_idle(5)
+        assert not fetched and len(touched) == 1
+        thread, ranks = touched[0]
+        assert thread is not threading.current_thread()
+        assert ranks == [(key, 9.0) for key in keys[1]]
+        with pytest.raises(ValueError, match="one group"):
+            pipe.refresh(FetchPlan([(0, keys[0]), (1, keys[1])]))
+    with pytest.raises(PipelineClosedError, match="refresh"):
+        pipe.refresh(FetchPlan([(1, keys[1])]))
+
+
 def test_fetch_now_leaves_the_bookkeeping_to_a_worker_and_raises_its_failure_next():
     store, keys = filled_store()
     done = []

@@ -31,6 +31,25 @@ def fetched_tokens(index: GroupIndex, leaves: torch.Tensor) -> torch.Tensor:
     return index.fetch(leaves).positions
 
 
+def test_a_group_index_fetches_the_same_leaves_once_while_its_tree_stays():
+    index, keys = index_over(64, 16)
+    leaves = torch.tensor([0, 2])
+    first = index.fetch(leaves)
+    assert index.fetch(leaves.clone()) is first  # the same leaves, the same tree
+    assert index.fetch(torch.tensor([0, 3])) is not first
+    assert index.fetch(leaves) is not first  # asked after others: made anew, and alike
+    again = index.fetch(leaves)
+    assert again.keys == first.keys and torch.equal(again.positions, first.positions)
+    index.tree.split(SplitRequest(16, 32, 24, 0.9), keys[:, 16:32])  # new leaves: 2 is 24-32
+    split = index.fetch(leaves)
+    assert split is not again and split.positions.tolist() == list(range(16)) + list(range(24, 32))
+    index.add([(64, 66)], torch.randn(KV, 2, DIM))  # new records, a short last leaf
+    tail = torch.tensor([index.tree.num_leaves - 1])
+    assert index.fetch(leaves) is not split and index.fetch(tail).positions.tolist() == [64, 65]
+    index.add([(66, 72)], torch.randn(KV, 6, DIM))  # the short leaf grows in place
+    assert index.fetch(tail).positions.tolist() == list(range(64, 72))
+
+
 def test_budget_of_a_group_counts_its_unsealed_tokens():
     policy = omnikv(budget=0.1, window=32)
     cache = SimpleNamespace(get_seq_length=lambda: 1000, indexes=[SimpleNamespace(sealed=960)])

@@ -1,12 +1,15 @@
 """A CPU decode step reads its fetched records where the tiers hold them (tierkv.scattered)."""
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
 import tierkv.kernels
 import tierkv.scattered
 from tierkv import SelectConfig, TierConfig, TieredCache
+from tierkv.pipeline import Pipeline
 from tierkv.textgen import make_document
 
 pytestmark = [pytest.mark.integration,
@@ -58,6 +61,48 @@ def test_reading_in_place_decodes_as_the_packed_blocks_do(model_and_tok, monkeyp
     assert torch.allclose(logits[True], logits[False], atol=1e-3), \
         (logits[True] - logits[False]).abs().max()
     assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
+
+
+def test_a_group_that_asks_its_last_records_again_reads_the_ones_it_kept(model_and_tok,
+                                                                       monkeypatch):
+    """``tierkv`` at 1.5K tokens with an 8 MB device tier (layers 0, 1 and the filter layers
+    preselect): a preselecting group whose query asks the records it read last step reads
+    those, kept, instead of fetching them again (a worker ranks them as read); the same logits
+    as a cache that fetches them every step, over 10 steps."""
+    model, tok = model_and_tok
+    ids = tok(make_document(tok, 1600, 5), return_tensors="pt")["input_ids"][:, :1500]
+    calls = []
+    for name in ("fetch_now", "refresh"):
+        real = getattr(Pipeline, name)
+        monkeypatch.setattr(Pipeline, name, lambda self, plan, real=real, name=name:
+                            calls.append((name, plan.groups[0].group)) or real(self, plan))
+    config = TierConfig(device_budget="8MB", host_budget="1GB")
+    logits, counts, follow = {}, {}, None
+    with torch.no_grad():
+        for keep in (False, True):
+            calls.clear()
+            with TieredCache(model, config, "tierkv") as cache:
+                out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                follow = follow or [int(out.logits[0, -1].argmax())]
+                steps = []
+                for i in range(10):
+                    if not keep:
+                        cache._kept.clear()
+                    token = torch.tensor([[follow[i]]])
+                    steps.append(model(token, past_key_values=cache, use_cache=True).logits[0, -1])
+                    if not keep:
+                        follow.append(int(steps[-1].argmax()))
+                preselecting = {g for g, group in enumerate(cache.groups)
+                                if cache.policy.preselects(cache, group[0])}
+                assert cache._kept and set(cache._kept) <= preselecting
+                assert all(isinstance(block, tierkv.scattered.Scattered)
+                           for _, block in cache._kept.values())
+            assert not cache._kept  # let go on close
+            logits[keep], counts[keep] = torch.stack(steps), collections.Counter(n for n, _ in calls)
+            assert {g for _, g in calls} <= preselecting
+    assert counts[False]["refresh"] == 0 and counts[True]["refresh"] >= 10
+    assert counts[True]["fetch_now"] + counts[True]["refresh"] == counts[False]["fetch_now"]
+    assert torch.equal(logits[True], logits[False])
 
 
 @pytest.mark.parametrize("policy, reads", [("tierkv", True), ("omnikv", True), ("full", False),

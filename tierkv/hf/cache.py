@@ -23,7 +23,7 @@ from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin
 
 from ..config import ChunkConfig, SelectConfig, TierConfig
-from ..pipeline import CompressionController, FetchPlan, Metrics, Pipeline
+from ..pipeline import CompressionController, Metrics, Pipeline
 from ..pipeline.transfer import as_caller
 from ..policies import Policy, make_policy
 from ..scattered import Scattered, layer_parts, reads_in_place
@@ -32,6 +32,7 @@ from ..storage.base import KVBlock, TierFullError
 from ..storage.probe import read_bandwidth
 from ..storage.store import KVStore
 from .admit import check_args, claim_doc, device_need, on_model_device, sliding_window
+from .fetching import GroupFetches
 from .groups import Fetch, GroupIndex
 from .hooks import install, uninstall
 from .prefill import prefill_attention, prompt_ranks
@@ -68,7 +69,7 @@ class TieredLayer(CacheLayerMixin):
         return -1
 
 
-class TieredCache(Cache):
+class TieredCache(GroupFetches, Cache):
     """A KV cache on three tiers for one sequence (batch size 1).
 
     Parameters
@@ -157,6 +158,7 @@ class TieredCache(Cache):
         self._pending: list[list[KVBlock]] = [[] for _ in layers]
         self._fresh = [False] * self.shape.layers
         self._step: dict = {}
+        self._kept: dict = {}  # group -> (keys, Scattered) it read in place last step (``fetched``)
         self._chosen: list[int] = []  # groups whose selection waits for the chooser's release
         self._held_positions = None  # (fetched positions, (sealed, window), attended positions)
         self._in_forward = False  # a forward pass has begun and its last layer not yet attended
@@ -284,51 +286,6 @@ class TieredCache(Cache):
         self._chosen.clear()  # only a forward pass that failed part-way leaves any
         self.steps += 1
         self.metrics.step_begin()
-
-    def fetched(self, layer: int, wanted: Fetch | torch.Tensor | None):
-        """The records of ``layer``'s group that ``wanted`` names (a Fetch, leaf indices, or None
-        for all) on the device, once per step per group: (KVBlock of the records, Fetch)."""
-        g = self.group_of[layer]
-        spec = wanted if isinstance(wanted, Fetch) else self.indexes[g].fetch(wanted)
-        hit = self._step.get(("fetch", g))
-        if hit is not None and hit[0] == spec.keys:
-            return hit[1], spec
-        if not spec.keys:
-            empty = torch.zeros(len(self.groups[g]), self.shape.kv_heads, 0, self.shape.head_dim,
-                                dtype=self.shape.dtype, device=self.device)
-            return KVBlock(empty, empty), spec
-        pending = self._step.pop(("prefetch", g), None)
-        if pending is not None and pending[0] == spec.keys:
-            block = pending[1].wait(g)
-            self.store.device.reserve(f"prefetch:{g}", 0)
-        else:  # known only now: fetched in this thread, which would only wait for it
-            if pending is not None:  # fetching other records: not needed any more
-                pending[1].cancel()
-                self.store.device.reserve(f"prefetch:{g}", 0)
-            self.reserve(f"fetch:{g}", self._fetch_bytes(g, spec))
-            block = self.pipeline.fetch_now(self._plan(g, spec))
-        self.reserve(f"fetch:{g}", block.nbytes)
-        self._step[("fetch", g)] = (spec.keys, block)
-        if len(self.groups) > 1:
-            self._look_ahead((g + 1) % len(self.groups), early=True)
-        return block, spec
-
-    def prefetch(self, group: int, spec: Fetch) -> None:
-        """Start bringing ``spec``'s records of ``group`` to the device (pipelined, in flight
-        while earlier layers compute); its bytes count against the device budget from now."""
-        if not spec.keys or self._step.get(("prefetch", group), (None,))[0] == spec.keys:
-            return
-        self.reserve(f"prefetch:{group}", self._fetch_bytes(group, spec))
-        self._step[("prefetch", group)] = (spec.keys, self.pipeline.submit(self._plan(group, spec)))
-
-    def _plan(self, group: int, spec: Fetch) -> FetchPlan:
-        return FetchPlan([(group, spec.keys)], spare=self.spare_tokens(group),
-                         default_importance=self._importance(group), packed=not self.in_place)
-
-    def _fetch_bytes(self, group: int, spec: Fetch) -> int:
-        """Device bytes a fetch of ``spec`` for ``group`` takes, with room for the window."""
-        tokens = spec.tokens + self.spare_tokens(group)
-        return tokens * self.shape.token_bytes(len(self.groups[group]))
 
     def spare_tokens(self, group: int) -> int:
         """Room left after a fetch of ``group`` for the recent window (which decode keeps
@@ -478,6 +435,7 @@ class TieredCache(Cache):
         self._uninstall()
         self.reader.shutdown(wait=True, cancel_futures=True)
         self.prefill_blocks = self.prefill_ahead = None
+        self._kept.clear()
         self.pipeline.close()
         disk = self.store.disk
         try:  # records written since the saved state, which stays as it was saved; their space

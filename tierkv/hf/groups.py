@@ -38,6 +38,7 @@ class GroupIndex:
         self.doc, self.group = doc, group
         self.tree = ChunkTree(chunks, kv_heads, head_dim)
         self._all: Fetch | None = None  # fetch(None), kept until the records change
+        self._last: tuple | None = None  # (leaves and the tree they named, their Fetch)
 
     def __len__(self) -> int:
         return self.tree.num_leaves
@@ -80,12 +81,23 @@ class GroupIndex:
             if self._all is None:
                 self._all = self._fetch(self.tree.record_indices())
             return self._all
-        spec = self._fetch(self.tree.record_indices(leaves))
-        if int(self.tree.sizes[leaves].sum()) == spec.tokens and bool((leaves.diff() > 0).all()):
-            return spec  # distinct leaves as many tokens as their records: whole records
-        wanted = self.tree.token_mask(leaves, self.sealed)[spec.positions]
-        keep = wanted.nonzero().flatten()
-        return spec._replace(positions=spec.positions[keep], keep=keep)
+        tree = self.tree
+        # a preselecting layer asks the same leaves most steps: the same Fetch, while the tree
+        # is the same (its leaves and records are replaced, never changed in place, but the
+        # last leaf, which grows with ``n``). ~10 small torch calls a preselecting layer less;
+        # one cache decoding alternate blocks of 8 steps at 8K: 100.9 against 102.4 ms a
+        # token (median 100.0 against 98.8), below what one run resolves.
+        held, at = self._last, (tree.bounds, tree.record_cuts, tree.n)
+        if held is not None and all(a is b for a, b in zip(held[0][:2], at[:2])) and \
+                held[0][2] == at[2] and torch.equal(held[1], leaves):
+            return held[2]
+        spec = self._fetch(tree.record_indices(leaves))
+        if int(tree.sizes[leaves].sum()) != spec.tokens or not bool((leaves.diff() > 0).all()):
+            wanted = tree.token_mask(leaves, self.sealed)[spec.positions]  # leaves within records
+            keep = wanted.nonzero().flatten()
+            spec = spec._replace(positions=spec.positions[keep], keep=keep)
+        self._last = at, leaves.clone(), spec
+        return spec
 
     def _fetch(self, indices: torch.Tensor) -> Fetch:
         """The Fetch of the records at ``indices`` (ascending, into the tree's records)."""

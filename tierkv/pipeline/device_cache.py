@@ -91,6 +91,16 @@ class DeviceCache:
                 return [None] * len(keys)
             return [self._get(key, value, priority) for key, value in zip(keys, importance)]
 
+    def touch_many(self, keys, importance=None, priority: int | None = None) -> None:
+        """Rank those of ``keys`` it holds as ``get_many`` would, for a consumer that still
+        holds their blocks from its last read of them (a hit each, no block returned; a key not
+        held is no miss: nothing was asked of the cache)."""
+        importance = [None] * len(keys) if importance is None else importance
+        with self._lock:
+            for key, value in zip(keys, importance):
+                if key in self._rank and key in self.tier:
+                    self._refresh(key, value, priority)
+
     def _get(self, key: RecordKey, importance: float | None, priority: int | None):
         if key not in self._rank:
             self.misses += 1
@@ -102,13 +112,16 @@ class DeviceCache:
             self._used.discard(key)
             self.misses += 1
             return None
+        self._refresh(key, importance, priority)
+        return block
+
+    def _refresh(self, key: RecordKey, importance: float | None, priority: int | None) -> None:
         self.hits += 1
         self._used.add(key)
         old_priority, old_importance, _ = self._rank[key]
         self._rank[key] = (old_priority if priority is None else priority,
                            old_importance if importance is None else importance,
                            next(self._clock))
-        return block
 
     def admit(self, key: RecordKey, block: KVBlock, importance: float, priority: int = 0) -> bool:
         """Copy ``block`` into the tier if room can be made; return whether it is cached."""

@@ -177,6 +177,17 @@ class Pipeline:
             self.metrics.record_stall(time.perf_counter() - start)
         return self.transfer.deliver(delivery)
 
+    def refresh(self, plan: FetchPlan) -> None:
+        """Rank the records of ``plan``'s one group anew as ``fetch_now`` would, on a worker
+        thread, without fetching them: for a consumer that holds them still, from its last
+        fetch of the same records. Raises as ``fetch_now``."""
+        if not isinstance(plan, FetchPlan) or len(plan) != 1:
+            raise ValueError(f"plan={plan!r}: expected a FetchPlan of one group")
+        plan.check_groups(self.groups)
+        with self._idle:
+            self._check_usable("refresh()")
+        self._later(self._fetcher.refresh, plan.groups[0])
+
     def _later(self, fn, *args) -> None:
         """Run ``fn(*args)`` on a worker thread; an error in it is raised by the next
         ``submit`` or ``fetch_now``."""

@@ -101,6 +101,12 @@ class GroupFetcher:
                                            [keys[i].tokens * per_token for i in held])
         return parts, [i for i, part in enumerate(parts) if part is None]
 
+    def refresh(self, group: GroupFetch) -> None:
+        """Rank ``group``'s records anew as a fetch of them would (device cache, then store),
+        without reading them: its consumer still holds them from its last read of them."""
+        self.cache.touch_many(group.keys, group.importance, _priority(group))
+        self._learn(group, [], [])
+
     def _learn(self, group: GroupFetch, parts: list[KVBlock], on_disk: list[int]) -> None:
         """Rank the records this read found anew, so the host keeps what decode reads, then
         keep host copies of those read from disk (room made from less important records)."""

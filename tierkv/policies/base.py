@@ -146,6 +146,12 @@ class Policy:
     def attend(self, cache, layer, q, k, v, positions, scaling) -> torch.Tensor:
         return decode_attention(q, k, v, scaling)
 
+    def preselects(self, cache, layer) -> bool:
+        """Whether ``layer`` narrows its own KV by its query before attending: what it fetches
+        is known only then (``TieredCache.fetched`` keeps such a fetch read in place to the
+        next step, whose query mostly asks the same records)."""
+        return False
+
     def attend_parts(self, cache, layer, q, parts, positions, scaling) -> torch.Tensor:
         """``attend`` over ``parts`` (``scattered.LayerParts``: the layer's fetched records
         where they lie, then its recent window)."""

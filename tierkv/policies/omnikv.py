@@ -132,11 +132,6 @@ class OmniKV(Policy):
     def dense(self, cache, layer):
         return not self.is_selecting(cache, layer) and not self.preselects(cache, layer)
 
-    def preselects(self, cache, layer) -> bool:
-        """Whether ``layer``, not selecting, narrows its own KV before attending to it (never
-        in ``omnikv``)."""
-        return False
-
     def preselect(self, cache, layer, q):
         """What a layer that does not select reads of its own KV: all of it (``omnikv``)."""
         return None
