@@ -28,9 +28,9 @@ class GroupFetches:
         candidates), are not fetched again: a worker ranks them as read. At 8K on the CPU, 9 of
         10 such fetches, ~0.9 ms each for a filter layer; one cache decoding alternate blocks
         of 8 steps with and without (2026-11-28): 85.2 against 89.0 ms a token (median 84.2
-        against 87.4). Between steps a kept block holds
-        the tiers' own records (ranked as read, so they stay) and the decoded copies of any
-        that were read from disk for it."""
+        against 87.4). Between steps a kept block holds the tiers' own records (ranked as
+        read, so they stay) and the decoded copies of any that were read from disk for it:
+        memory the device tier does not count outside a step."""
         g = self.group_of[layer]
         spec = wanted if isinstance(wanted, Fetch) else self.indexes[g].fetch(wanted)
         hit = self._step.get(("fetch", g))
