@@ -8,8 +8,9 @@ threads, beside the step's own compute on the same two cores. A group fetched fo
 reads parts (``Policy.reads_parts``) is delivered ``Scattered`` (its records as the tiers hold
 them) with the table of their addresses, made where the parts are gathered (``scattered``:
 on a fetch thread for a group fetched ahead, not on the decoding thread), and each layer
-attends its parts and its recent window in one call of ``kernels.decode_attend_parts`` (each kv head's scores over every
-part merged once, the next parts' keys prefetched: they lie apart).
+attends its parts and its recent window in one call of ``kernels.decode_attend_parts`` (each
+kv head's scores over every part merged once, the next parts' keys prefetched: they lie
+apart).
 
 Measured on the 2-core CPU, ``bench.decode``'s 8K ``tierkv`` case (device 5 % / host 20 % of
 the KV), one cache decoding alternate blocks of 8 steps packed and in place (the first step of

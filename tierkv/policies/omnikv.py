@@ -138,7 +138,7 @@ class OmniKV(Policy):
 
     def attend(self, cache, layer, q, k, v, positions, scaling):
         if layer not in self.filters:
-            self._adapt(cache, layer, k, positions)
+            self._adapt(cache, layer, keys_gather(k), positions)
             return super().attend(cache, layer, q, k, v, positions, scaling)
         out, probs = scored_decode_attention(q, k, v, scaling)
         self._choose(cache, layer, probs.amax(dim=(0, 1)), positions)
@@ -151,20 +151,19 @@ class OmniKV(Policy):
             return out
         g = cache.group_of[layer]
         if g in self._to_adapt and cache.groups[g][0] == layer:  # the fold reads the keys
-            self._adapt(cache, layer, None, positions, parts.keys_at)
+            self._adapt(cache, layer, parts.keys_at, positions)
         return attend_parts(q, parts, scaling)
 
-    def _adapt(self, cache, layer, k, positions, keys_at=None):
+    def _adapt(self, cache, layer, keys_at, positions):
         """In the first layer of a group (whose keys the tree summarises), fold the filter
-        layer's scores into the group's tree; its fetched keys ``k`` (or ``keys_at``, index ->
-        keys, read in place) serve the splits."""
+        layer's scores into the group's tree; its fetched keys (``keys_at``: index -> keys on
+        the CPU) serve the splits."""
         g = cache.group_of[layer]
         pending = self._to_adapt.pop(g, None)
         if pending is not None and cache.groups[g][0] == layer:
             scores, leaves = pending
             cache.in_background(g, cache.indexes[g].adapt, scores, leaves, self.select.sinks,
-                                keys_gather(k) if keys_at is None else keys_at, positions,
-                                self.max_leaf(cache))
+                                keys_at, positions, self.max_leaf(cache))
 
     def _choose(self, cache, layer, token_mass, positions):
         target = self._target(cache, layer)
