@@ -21,7 +21,7 @@ class OptionalBuildExt(build_ext):
 
 setup(
     ext_modules=[Extension("tierkv._native", ["native/tierkv_native.c", "native/attend.c",
-                                             "native/bounds.c"],
+                                             "native/bounds.c", "native/select.c"],
                            depends=["native/kernels.h", "native/simd.h"],
                            extra_compile_args=["-O3"], optional=True)],
     cmdclass={"build_ext": OptionalBuildExt},

@@ -5,6 +5,7 @@
  * pread_extents(fd, offsets, lengths, out) -> int   extents of one file, back to back in out
  * decode_attend(...)                                  decode attention over 16-bit KV (attend.c)
  * bound_scores(...)                                   LKA chunk bounds from summaries (bounds.c)
+ * fill_units(...)                                     a filter layer's choice of leaves (select.c)
  * kernels_ready() -> bool                             whether this CPU runs those two (simd.h)
  *
  * Pure fallbacks with identical results live in tierkv/storage/native.py; the attention's is
@@ -260,6 +261,10 @@ static PyMethodDef methods[] = {
      "bound_scores(q, kmin, kmax, out, m, h, g, d, kind, alpha) -> None\n\n"
      "LKA chunk bounds per query head into out; addresses, checked by the caller\n"
      "(tierkv.summary.bound_scores)."},
+    {"fill_units", py_fill_units, METH_VARARGS,
+     "fill_units(scores, n, cuts, u, bounds, m, sinks, budget, out) -> int\n\n"
+     "A filter layer's chosen leaves into out, their count returned (native/select.c);\n"
+     "addresses, checked by the caller (tierkv.policies.omnikv.OmniKV._fill)."},
     {NULL, NULL, 0, NULL},
 };
 

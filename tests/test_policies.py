@@ -4,6 +4,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tierkv import kernels
 from tierkv.config import ChunkConfig, SelectConfig
 from tierkv.hf.groups import GroupIndex
 from tierkv.policies import Policy, make_policy
@@ -136,6 +137,45 @@ def test_fill_never_exceeds_the_budget(seed, unit):
     tokens = fetched_tokens(index, omnikv(sinks=4, fetch_unit=unit)._fill(index, scores, budget))
     assert tokens.numel() <= budget
     assert tokens[:4].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.skipif(kernels.fill_units is None, reason="tierkv._native not built")
+@pytest.mark.parametrize("seed", range(40))
+def test_native_fill_chooses_the_leaves_torchs_path_does(seed, monkeypatch):
+    """``kernels.fill_units`` and torch's path agree leaf for leaf over record units: split and
+    merged leaves, sinks, ties in density, budgets below the sinks' units and past everything."""
+    gen = torch.Generator().manual_seed(seed)
+    index, keys = index_over(512, 16, seed)
+    tree = index.tree
+    for leaf in torch.randperm(30, generator=gen)[:6].tolist():  # split leaves share records
+        start, end = int(tree.bounds[leaf]), int(tree.bounds[leaf + 1])
+        if end - start < 2 * CHUNKS.min:
+            continue
+        cut = start + int(torch.randint(CHUNKS.min, end - start - CHUNKS.min + 1, (1,), generator=gen))
+        tree.split(SplitRequest(start, end, cut, 0.5), keys[:, start:end])
+    cold = torch.rand(512, generator=gen) < 0.5  # cold runs merge across records
+    tree.update(tree.mass_per_leaf((~cold).float()), torch.zeros(len(index), dtype=torch.bool), max_size=48)
+    scores = torch.rand(530, generator=gen) ** 8
+    if seed % 3 == 0:
+        scores = (scores * 4).round() / 4  # many equal densities
+    policy = omnikv(sinks=int(torch.randint(0, 40, (1,), generator=gen)))
+    for budget in (0, 10, 64, 200, 600):
+        native = policy._fill(index, scores, budget)
+        monkeypatch.setattr(kernels, "fill_units", None)
+        assert torch.equal(native, policy._fill(index, scores, budget)), budget
+        monkeypatch.undo()
+
+
+@pytest.mark.skipif(kernels.fill_units is None, reason="tierkv._native not built")
+def test_native_fill_refuses_sizes_that_do_not_nest():
+    out = torch.empty(4, dtype=torch.long)
+    scores, cuts = torch.ones(8), torch.tensor([0, 8])
+    bounds = torch.tensor([0, 2, 4, 6, 8])
+    with pytest.raises(ValueError, match="2 units over 1 leaves"):
+        kernels.fill_units(scores.data_ptr(), 8, cuts.data_ptr(), 2, bounds.data_ptr(), 1, 0, 4,
+                           out.data_ptr())
+    assert kernels.fill_units(scores.data_ptr(), 8, cuts.data_ptr(), 1, bounds.data_ptr(), 4, 0,
+                              8, out.data_ptr()) == 4
 
 
 def test_target_skips_the_layer_that_attends_fully():

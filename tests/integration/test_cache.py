@@ -546,9 +546,9 @@ def test_a_filter_layers_choice_is_fetched_once_its_own_records_are_let_go(model
 
 def test_decode_steps_compute_on_decode_threads_and_put_them_back(model_and_tok, passkey_cases,
                                                                   monkeypatch):
-    """A decode step computes on ``decode_threads`` (on a CPU one fewer than torch's, at least
-    one), a prompt on torch's own; torch's setting is back after each forward pass, also one
-    that raised. A bad value is refused before any layer runs, and the cache goes on."""
+    """A decode step computes on ``decode_threads`` (torch's own by default), a prompt on
+    torch's own; torch's setting is back after each forward pass, also one that raised. A bad
+    value is refused before any layer runs, and the cache goes on."""
     model, _ = model_and_tok
     ids = passkey_cases[0][0][:, :200]
     before = torch.get_num_threads()
@@ -556,7 +556,7 @@ def test_decode_steps_compute_on_decode_threads_and_put_them_back(model_and_tok,
     try:
         config = TierConfig(device_budget="8MB", host_budget="1GB")
         with TieredCache(model, config, "tierkv") as cache, torch.no_grad():
-            assert cache.decode_threads == 1
+            assert cache.decode_threads is None
             seen = []
             for name in ("attend", "attend_parts"):  # packed, or read in place (a CPU)
                 real = getattr(cache.policy, name)
@@ -564,6 +564,9 @@ def test_decode_steps_compute_on_decode_threads_and_put_them_back(model_and_tok,
                                     seen.append(torch.get_num_threads()) or real(*a))
             model(ids, past_key_values=cache, use_cache=True)
             assert torch.get_num_threads() == 2
+            model(ids[:, -1:], past_key_values=cache, use_cache=True)
+            assert seen[-1] == 2
+            cache.decode_threads = 1
             model(ids[:, -1:], past_key_values=cache, use_cache=True)
             assert seen[-1] == 1 and torch.get_num_threads() == 2
 

@@ -92,9 +92,13 @@ class TieredCache(GroupFetches, Cache):
         default where the device is a GPU, whose copies run beside the compute; off on a CPU,
         where they take the cores the step computes on (``policies/tierkv.py``).
     decode_threads : torch's compute threads during a decode step (put back after it), or None
-        to leave them. On a CPU one fewer than torch's when the cache was made, at least one:
-        the pipeline's copies and reads take the core left (``bench.decode``'s 8K ``tierkv``
-        case, 2-core machine, in one process: 93.7 ms a token on one thread against 97.2).
+        (the default) to leave them. One fewer than torch's once paid on the 2-core CPU, while
+        the pipeline's threads packed every fetch (``bench.decode``'s 8K ``tierkv`` case: 93.7
+        ms a token on one thread against 97.2). With fetches read in place and kept between
+        steps they take ~14 ms of CPU a step, and the step's matrix products are half its time:
+        on one thread they took 45.9 ms a step against 23.5 on two, and one cache decoding
+        alternate blocks of 8 steps (2026-11-28) took 70.6 ms a token on two threads against
+        84.2 on one (median 68.8 against 82.4).
     in_place : whether a CPU decode step attends its fetched records where the tiers hold them
         (``tierkv.scattered``) instead of packed into a block: on where the kernel runs and the
         policy reads parts (``Policy.reads_parts``: ``omnikv``, ``tierkv``).
@@ -146,7 +150,7 @@ class TieredCache(GroupFetches, Cache):
         self.device = self.store.device.device
         self.fetch_ahead = self.device.type == "cuda"
         self.in_place = self.policy.reads_parts and reads_in_place(self.shape, self.device)
-        self.decode_threads = max(1, torch.get_num_threads() - 1) if self.device.type == "cpu" else None
+        self.decode_threads: int | None = None
         self._before = None  # torch's threads and grad mode before a forward pass changed them
         self.metrics = Metrics()
         self.pipeline = Pipeline(self.store, self.device, threads=min(config.io_threads, 4),
