@@ -566,6 +566,11 @@ def test_decode_steps_compute_on_decode_threads_and_put_them_back(model_and_tok,
             assert torch.get_num_threads() == 2
             model(ids[:, -1:], past_key_values=cache, use_cache=True)
             assert seen[-1] == 2
+            new = []  # the cache's threads compute on one thread; a new one starts with torch's
+            thread = threading.Thread(target=lambda: new.append(torch.get_num_threads()))
+            thread.start()
+            thread.join()
+            assert new == [2]
             cache.decode_threads = 1
             model(ids[:, -1:], past_key_values=cache, use_cache=True)
             assert seen[-1] == 1 and torch.get_num_threads() == 2

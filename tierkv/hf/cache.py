@@ -15,7 +15,6 @@ last layer of a group has done so, the group's chunks are sealed into the store 
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ from ..shapes import KVShape
 from ..storage.base import KVBlock, TierFullError
 from ..storage.probe import read_bandwidth
 from ..storage.store import KVStore
+from ..workers import worker_pool
 from .admit import check_args, claim_doc, device_need, on_model_device, sliding_window
 from .fetching import GroupFetches
 from .groups import Fetch, GroupIndex
@@ -94,11 +94,11 @@ class TieredCache(GroupFetches, Cache):
     decode_threads : torch's compute threads during a decode step (put back after it), or None
         (the default) to leave them. One fewer than torch's once paid on the 2-core CPU, while
         the pipeline's threads packed every fetch (``bench.decode``'s 8K ``tierkv`` case: 93.7
-        ms a token on one thread against 97.2). With fetches read in place and kept between
-        steps they take ~14 ms of CPU a step, and the step's matrix products are half its time:
-        on one thread they took 45.9 ms a step against 23.5 on two, and one cache decoding
-        alternate blocks of 8 steps (2026-11-28) took 70.6 ms a token on two threads against
-        84.2 on one (median 68.8 against 82.4).
+        ms a token on one thread against 97.2). With fetches read in place, and the cache's
+        threads computing on one thread each (``tierkv.workers``), the step's matrix products
+        are a third of it and two threads halve them: one cache decoding alternate blocks of 8
+        steps (2026-11-28) took 69.1 ms a token on two threads against 87.9 on one (median 66.9
+        against 85.2).
     in_place : whether a CPU decode step attends its fetched records where the tiers hold them
         (``tierkv.scattered``) instead of packed into a block: on where the kernel runs and the
         policy reads parts (``Policy.reads_parts``: ``omnikv``, ``tierkv``).
@@ -174,7 +174,7 @@ class TieredCache(GroupFetches, Cache):
         self.prefill_blocks = self.prefill_ahead = None  # a group's records, the next's (prefill.py)
         self.prompt_mass: dict[int, torch.Tensor] = {}  # layer -> its recent queries' attention
         self.prompt_query: dict[int, torch.Tensor] = {}  # layer -> the prompt's last query (CPU)
-        self.reader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-helper")  # prefill's reads
+        self.reader = worker_pool(1, "tierkv-helper")  # prefill's reads
         self._folds: dict = {}  # group -> its tree's fold running on ``reader`` (``in_background``)
 
     def _let_go(self) -> None:

@@ -9,6 +9,7 @@ import weakref
 import torch
 from transformers import AttentionInterface
 
+from ..workers import restore_threads
 from .admit import GenerateGuard, check_forward
 
 
@@ -89,9 +90,11 @@ def check_whole(cache, doing: str = "go on") -> None:
 
 
 def end_forward(cache) -> None:
-    """Put back the compute threads a decode step changed (``TieredCache.decode_threads``) and
-    autograd's mode, whether the forward pass ended or raised."""
+    """Put back the compute threads a decode step changed (``TieredCache.decode_threads``), the
+    count new threads start with (``workers.restore_threads``) and autograd's mode, whether the
+    forward pass ended or raised."""
     before, cache._before = cache._before, None
+    restore_threads()  # the cache's threads may have started since: their count is theirs
     if before is None:
         return
     threads, grad = before

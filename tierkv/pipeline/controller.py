@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping
 
 from tierkv.config import CODECS, LOSSY_CODECS, CodecConfig
 from tierkv.storage.base import KVBlock
 from tierkv.storage.codec import decode_block, encode_block, make_codec
+from tierkv.workers import worker_pool
 
 
 class _Ema:
@@ -130,7 +130,7 @@ class CompressionController:
         (anything with ``read_raw_many``) gives in total, ``threads`` batches in flight as in
         a Pipeline of that many threads; later measurements move it as usual."""
         start = time.perf_counter()
-        with ThreadPoolExecutor(threads, thread_name_prefix="tierkv-calibrate") as pool:
+        with worker_pool(threads, "tierkv-calibrate") as pool:
             sizes = pool.map(lambda keys: sum(len(r.payload) for r in disk.read_raw_many(keys)),
                              batches)
             nbytes = sum(sizes)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
@@ -27,6 +27,7 @@ from tierkv.pipeline.groupfetch import GroupFetcher
 from tierkv.pipeline.metrics import Metrics
 from tierkv.pipeline.plan import FetchPlan, GroupFetch
 from tierkv.pipeline.transfer import Delivery, Transfer
+from tierkv.workers import worker_pool
 from tierkv.storage.base import KVBlock, StorageError
 
 # Least share of evicted device-cache records that must have been read again for admissions to
@@ -119,7 +120,7 @@ class Pipeline:
         controller = controller if controller is not None else store.controller
         self._fetcher = GroupFetcher(store, disk if disk is not None else store.disk, self.cache,
                                      self.transfer, self.metrics, controller)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tierkv-fetch")
+        self._pool = worker_pool(threads, "tierkv-fetch")
         self._handles: weakref.WeakSet[StepHandle] = weakref.WeakSet()
         self._busy = 0
         self._idle = threading.Condition()

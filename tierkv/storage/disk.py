@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
 import torch
 
 from ..config import CodecConfig, check_direct_io, parse_size
+from ..workers import worker_pool
 from .base import CorruptRecordError, KVBlock, RecordKey, Tier, TierFullError
 from .codec import BLOCK_HEADER_SIZE, Codec, codec_by_id, codec_name_by_id, decode_block, \
     encode_block, make_codec
@@ -84,7 +84,7 @@ class DiskTier(Tier):
         self._decoders: dict[int, Codec] = {}
         self.bytes_read = 0
         self._files = SegmentDir(self.path, size, read_only=read_only)
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tierkv-disk")
+        self._pool = worker_pool(io_threads, "tierkv-disk")
         self._io_threads = io_threads
         self.direct_io = direct_io
         self._direct_ok = DIRECT_AVAILABLE  # False for good once the file system refuses
