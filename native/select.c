@@ -61,13 +61,12 @@ static Py_ssize_t fill(const float *scores, const int64_t *cuts, Py_ssize_t u,
     }
     qsort(order, (size_t)u, sizeof(ranked), by_density);
     const int64_t first = budget > forced ? budget : forced;
-    int64_t total = 0, taken = 0;
+    int64_t taken = 0;
     Py_ssize_t i = 0;
     for (; i < u; i++) { /* sizes are positive: what is taken is a prefix of the order */
         const int64_t size = cuts[order[i].unit + 1] - cuts[order[i].unit];
-        if (total + size > first)
+        if (taken + size > first)
             break;
-        total += size;
         taken += size;
         chosen[order[i].unit] = 1;
     }

@@ -5,11 +5,11 @@
  * pread_extents(fd, offsets, lengths, out) -> int   extents of one file, back to back in out
  * decode_attend(...)                                  decode attention over 16-bit KV (attend.c)
  * bound_scores(...)                                   LKA chunk bounds from summaries (bounds.c)
- * fill_units(...)                                     a filter layer's choice of leaves (select.c)
  * kernels_ready() -> bool                             whether this CPU runs those two (simd.h)
+ * fill_units(...)                                     a filter layer's choice of leaves (select.c)
  *
  * Pure fallbacks with identical results live in tierkv/storage/native.py; the attention's is
- * torch's, in tierkv/attention.py.
+ * torch's, in tierkv/attention.py, and fill_units's in tierkv/policies/omnikv.py.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

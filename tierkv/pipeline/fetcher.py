@@ -27,8 +27,8 @@ from tierkv.pipeline.groupfetch import GroupFetcher
 from tierkv.pipeline.metrics import Metrics
 from tierkv.pipeline.plan import FetchPlan, GroupFetch
 from tierkv.pipeline.transfer import Delivery, Transfer
-from tierkv.workers import worker_pool
 from tierkv.storage.base import KVBlock, StorageError
+from tierkv.workers import worker_pool
 
 # Least share of evicted device-cache records that must have been read again for admissions to
 # go on (``DeviceCache``): on CUDA an admission is a device-side copy and a hit saves a PCIe
