@@ -48,7 +48,7 @@ from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from bench.common import attention_installed, bench_device, write_result
-from bench.quality import (BUDGETS, continuation_case, reference_argmax, teacher_forced,
+from bench.quality import (BUDGETS, continuation_case, reference_log_probs, teacher_forced,
                            top1_agreement)
 from tierkv import SelectConfig, load_model
 from tierkv.config import ChunkConfig
@@ -194,7 +194,7 @@ def main(argv=None) -> dict:
     with torch.no_grad(), attention_installed(model, "tierkv_oracle", attention):
         for context in contexts:
             ctx, cont = continuation_case(tok, context, n_cont, seed=context)  # bench.quality's
-            ref = reference_argmax(model, ctx, cont)
+            ref = reference_log_probs(model, ctx, cont).argmax(-1)
             cache = DynamicCache()
             model(ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
             attention.bases = {}
@@ -202,13 +202,13 @@ def main(argv=None) -> dict:
                 for budget in BUDGETS:
                     attention.oracle, attention.select = oracle, SelectConfig(budget=budget)
                     try:
-                        preds, _ = teacher_forced(model, cache, cont)
+                        probs, _ = teacher_forced(model, cache, cont)
                     finally:
                         attention.oracle = None
                         extra = cache.get_seq_length() - context
                         if extra:
                             cache.crop(-extra)  # back to the prompt alone
-                    agree[name][str(budget)][str(context)] = top1_agreement(preds, ref)
+                    agree[name][str(budget)][str(context)] = top1_agreement(probs.argmax(-1), ref)
                     shares[name][str(budget)] += attention.moved
                     attention.moved = []
             print(f"{context} tokens at {time.perf_counter() - started:.0f} s", flush=True)

@@ -23,9 +23,14 @@ machine speed weighs on both alike; the ratio of the separate cases is kept as
 ``speedup_vs_full_memory_unpaired``.
 
 Each case is fed full_memory's greedy tokens (teacher forcing, so positions align);
-``top1_agreement`` is the share of steps whose argmax equals full_memory's. The page cache of the
-disk tier's segment files is dropped after prefill. When a case raises ``TierFullError`` its
-device budget is raised by the shortfall the error names (at least 10 %) and the value used is recorded.
+``top1_agreement`` is the share of steps whose argmax equals full_memory's, ``kl`` the mean
+KL divergence of full_memory's next-token distribution from the case's (nats), and
+``top1_misses`` the steps whose argmax differs, each with full_memory's own margin there (its
+top-1 log-probability minus its second's): a miss at a margin of a few tenths is a near tie,
+and over 64 tokens KL tells budgets apart that top-1 does not (``bench.common.divergence``).
+The page cache of the disk tier's segment files is dropped after prefill. When a case raises
+``TierFullError`` its device budget is raised by the shortfall the error names (at least 10 %)
+and the value used is recorded.
 
 On a machine with CUDA the model, ``full_memory``'s cache and the device tier are on the GPU
 (``TIERKV_BENCH_DEVICE=cpu`` keeps them on the CPU), every timed step ends with a device
@@ -52,8 +57,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from bench.common import (bench_device, document_ids, drop_page_cache, result_path, sync,
-                          write_result)
+from bench.common import (bench_device, divergence, document_ids, drop_page_cache, result_path,
+                          sync, write_result)
 from tierkv import SelectConfig, TierConfig, TieredCache, TierFullError, load_model
 from tierkv.config import ChunkConfig
 from tierkv.shapes import KVShape
@@ -75,22 +80,29 @@ RUN_ORDER = ("tierkv", "offloaded", "quest", "leoam", "omnikv", "brute_offload",
 @torch.no_grad()
 def run_decode(model, cache, ids: torch.Tensor, ref: torch.Tensor | None, steps: int, on_prefill=None,
                label: str | None = None):
-    """Prefill ``ids``, then ``steps`` decode steps, each fed ``ref[i]`` (or, without ``ref``,
-    its own greedy token). Returns (argmax after prefill and after each step (steps + 1,),
-    seconds per decode step (steps,)). With ``--profile``, the steps of a ``label``led run are
-    profiled."""
+    """Prefill ``ids``, then ``steps`` decode steps, each fed the reference's token ``i``
+    (``ref``: its log-probabilities, shape (steps + 1, vocab)) or, without ``ref``, its own
+    greedy token. Returns (log-probabilities after prefill and after each step, shape
+    (steps + 1, vocab), in fp32 on the CPU; seconds per decode step (steps,)). With
+    ``--profile``, the steps of a ``label``led run are profiled."""
+    fed = None if ref is None else ref.argmax(-1).to(ids.device)
     logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-    preds = [logits[0, -1].argmax()]
+    out = [log_probs(logits)]
     if on_prefill is not None:
         on_prefill()
     seconds = []
     with profiled(label):
         for i in range(steps):
-            token = ref[i] if ref is not None else preds[-1]
+            token = fed[i] if fed is not None else out[-1].argmax().to(ids.device)
             logits, took = timed_step(model, cache, token)
-            preds.append(logits[0, -1].argmax())
+            out.append(log_probs(logits))
             seconds.append(took)
-    return torch.stack(preds), seconds
+    return torch.stack(out), seconds
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """The last position's log-probabilities, fp32 on the CPU, shape (vocab,)."""
+    return logits[0, -1].float().log_softmax(-1).cpu()
 
 
 def timed_step(model, cache, token: torch.Tensor):
@@ -128,7 +140,7 @@ def profiled(label: str | None):
 
 
 @torch.no_grad()
-def paired_speed(model, plain, ids, ref, steps: int, policy: str, device: int, host: int,
+def paired_speed(model, plain, ids, fed, steps: int, policy: str, device: int, host: int,
                  disk_dir: Path, block: int = PAIR_BLOCK) -> dict:
     """ms/token of ``full_memory`` and ``policy`` decoded in alternating blocks of ``block``
     steps, both caches live, so that a change in the machine's speed during the run weighs on
@@ -139,7 +151,7 @@ def paired_speed(model, plain, ids, ref, steps: int, policy: str, device: int, h
     run."""
     full, tiered = DynamicCache(), new_cache(model, policy, device, host, disk_dir)
     try:
-        out = alternate([("full_memory", plain, full), (policy, model, tiered)], ids, ref, steps,
+        out = alternate([("full_memory", plain, full), (policy, model, tiered)], ids, fed, steps,
                         block)
     finally:
         tiered.close()
@@ -149,7 +161,7 @@ def paired_speed(model, plain, ids, ref, steps: int, policy: str, device: int, h
 
 
 @torch.no_grad()
-def paired_ahead(models, ids, ref, steps: int, device: int, host: int, root: Path,
+def paired_ahead(models, ids, fed, steps: int, device: int, host: int, root: Path,
                  block: int = PAIR_BLOCK) -> dict:
     """``tierkv`` with ``TieredCache.fetch_ahead`` on and off, and ``full_memory``, decoded in
     alternating blocks of ``block`` steps in one process (``--fetch-ahead both``): ms/token,
@@ -161,7 +173,7 @@ def paired_ahead(models, ids, ref, steps: int, device: int, host: int, root: Pat
             caches[-1].fetch_ahead = ahead
         runs = [("fetch_ahead_on", models[0], caches[0]), ("fetch_ahead_off", models[1], caches[1]),
                 ("full_memory", models[2], DynamicCache())]
-        out = alternate(runs, ids, ref, steps, block)
+        out = alternate(runs, ids, fed, steps, block)
         out["stall_frac"] = {name: cache.stats()["pipeline_total"]["stall_frac"]
                              for (name, _, _), cache in zip(runs, caches)}
     finally:
@@ -170,10 +182,11 @@ def paired_ahead(models, ids, ref, steps: int, device: int, host: int, root: Pat
     return {**out, "block_steps": block}
 
 
-def alternate(runs, ids, ref, steps: int, block: int) -> dict:
+def alternate(runs, ids, fed, steps: int, block: int) -> dict:
     """Prefill ``ids`` into each of ``runs`` (name, model, cache) (a TieredCache's disk pages
-    dropped after), then feed each ``ref[i]`` for ``steps`` steps, ``block`` steps per turn:
-    ms/token, top-1 agreement with ``ref[i + 1]`` and ms/token of each block, per name.
+    dropped after), then feed each the reference's token ``fed[i]`` for ``steps`` steps,
+    ``block`` steps per turn: ms/token, top-1 agreement with ``fed[i + 1]`` and ms/token of each
+    block, per name.
 
     Every other round takes the runs in reverse order (A B, B A, A B, ...), so that each run's
     blocks follow another run's as often as its own: decoding one cache with variants switched
@@ -189,9 +202,9 @@ def alternate(runs, ids, ref, steps: int, block: int) -> dict:
     for turn, start in enumerate(range(0, steps, block)):
         for name, net, cache in (runs if turn % 2 == 0 else runs[::-1]):
             for i in range(start, min(start + block, steps)):
-                logits, took = timed_step(net, cache, ref[i])
+                logits, took = timed_step(net, cache, fed[i])
                 seconds[name].append(took)
-                agree[name] += int(logits[0, -1].argmax() == ref[i + 1])
+                agree[name] += int(logits[0, -1].argmax() == fed[i + 1])
     return {"ms_per_token": {name: 1e3 * sum(s) / len(s) for name, s in seconds.items()},
             "top1_agreement": {name: hits / steps for name, hits in agree.items()},
             "block_ms": {name: [1e3 * statistics.fmean(s[i:i + block])
@@ -227,7 +240,7 @@ def tiered_case(model, ids, ref, steps, policy, device, host, disk_dir: Path) ->
             drop_disk(cache)
             marks.update(stats_marks(cache.stats()))
         try:
-            preds, seconds = run_decode(model, cache, ids, ref, steps, on_prefill, label=policy)
+            probs, seconds = run_decode(model, cache, ids, ref, steps, on_prefill, label=policy)
         except TierFullError as err:
             cache.close()
             if device >= kv:
@@ -238,7 +251,7 @@ def tiered_case(model, ids, ref, steps, policy, device, host, disk_dir: Path) ->
         stats, fetch_ahead = cache.stats(), cache.fetch_ahead
         cache.close()
         end = stats_marks(stats)
-        out = case_figures(preds, seconds, ref, steps)
+        out = case_figures(probs, seconds, ref)
         out.update({"disk_bytes_per_token": (end["disk"] - marks["disk"]) / steps,
                     "device_peak_bytes": stats["device_peak_bytes"],
                     "stall_frac": ratio(end["stall"] - marks["stall"], end["step"] - marks["step"]),
@@ -267,16 +280,20 @@ def ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
-def case_figures(preds, seconds, ref, steps) -> dict:
-    agree = None if ref is None else (preds[1:] == ref[1:steps + 1]).float().mean().item()
-    return {"ms_per_token": 1e3 * sum(seconds) / len(seconds), "top1_agreement": agree}
+def case_figures(probs, seconds, ref) -> dict:
+    """ms/token and, against the reference's log-probabilities ``ref`` (none: ``None``s), the
+    decode steps' top-1 agreement, KL divergence and misses (``bench.common.divergence``; the
+    prediction after prefill is left out)."""
+    figures = {"top1_agreement": None, "kl": None, "top1_misses": None} if ref is None else \
+        divergence(ref[1:], probs[1:])
+    return {"ms_per_token": 1e3 * sum(seconds) / len(seconds), **figures}
 
 
 def full_memory_case(model, ids, steps) -> tuple[dict, torch.Tensor]:
-    preds, seconds = run_decode(model, DynamicCache(), ids, None, steps, label="full_memory")
-    out = case_figures(preds, seconds, preds, steps)
+    probs, seconds = run_decode(model, DynamicCache(), ids, None, steps, label="full_memory")
+    out = case_figures(probs, seconds, probs)
     out.update({"disk_bytes_per_token": 0.0, "device_peak_bytes": None, "stall_frac": None})
-    return out, preds
+    return out, probs
 
 
 def offloaded_case(model, ids, ref, steps) -> dict:
@@ -291,11 +308,11 @@ def offloaded_case(model, ids, ref, steps) -> dict:
     start = torch.cuda.memory_allocated(gpu)
     torch.cuda.reset_peak_memory_stats(gpu)
     try:  # another library's path, not yet run here on a GPU: its failure is a figure, not a crash
-        preds, seconds = run_decode(model, DynamicCache(offloading=True), ids, ref, steps,
+        probs, seconds = run_decode(model, DynamicCache(offloading=True), ids, ref, steps,
                                     label="offloaded")
     except Exception as err:
         return {"error": f"{type(err).__name__}: {err}"}
-    out = case_figures(preds, seconds, ref, steps)
+    out = case_figures(probs, seconds, ref)
     out.update({"disk_bytes_per_token": 0.0, "device_peak_bytes": None, "stall_frac": None,
                 "gpu_peak_over_start_bytes": torch.cuda.max_memory_allocated(gpu) - start})
     return out
@@ -308,17 +325,18 @@ def warm_up(model, tok, root: Path) -> None:
 
 
 def print_table(cases: dict) -> None:
-    print(f"{'case':<14} {'ms/tok':>8} {'disk MB/tok':>12} {'dev peak MB':>12} {'stall':>6} {'top1':>6}")
+    print(f"{'case':<14} {'ms/tok':>8} {'disk MB/tok':>12} {'dev peak MB':>12} {'stall':>6} "
+          f"{'top1':>6} {'KL':>7}")
     for name, c in cases.items():
         if "error" in c or "skipped" in c:
             print(f"{name:<14} {'error' if 'error' in c else 'skipped'}: "
                   f"{c.get('error', c.get('skipped'))[:60]}")
             continue
-        peak = c["device_peak_bytes"]
-        stall = c["stall_frac"]
+        peak, stall, kl = c["device_peak_bytes"], c["stall_frac"], c.get("kl")
         print(f"{name:<14} {c['ms_per_token']:8.1f} {c['disk_bytes_per_token'] / 1e6:12.2f} "
               f"{'-' if peak is None else f'{peak / 1e6:.1f}':>12} "
-              f"{'-' if stall is None else f'{stall:.3f}':>6} {c['top1_agreement']:6.3f}")
+              f"{'-' if stall is None else f'{stall:.3f}':>6} {c['top1_agreement']:6.3f} "
+              f"{'-' if kl is None else f'{kl:.4f}':>7}")
 
 
 def main(argv=None) -> dict:
@@ -382,6 +400,7 @@ def main(argv=None) -> dict:
         warm_up(model, tok, root)
         cases = {}
         cases["full_memory"], ref = full_memory_case(model, ids, steps)
+        fed = ref.argmax(-1).to(ids.device)  # the paired runs' tokens
         print(f"full_memory: {cases['full_memory']['ms_per_token']:.1f} ms/token", flush=True)
         wanted = args.cases or RUN_ORDER
         paired = compared = None
@@ -397,14 +416,14 @@ def main(argv=None) -> dict:
                   " ms/token", flush=True)
             if name == "tierkv" and "error" not in cases["tierkv"]:
                 plain, _ = load_model("smollm2-135m", device=str(bench_device()))
-                paired = paired_speed(model, plain, ids, ref, steps, "tierkv",
+                paired = paired_speed(model, plain, ids, fed, steps, "tierkv",
                                       cases["tierkv"]["device_budget"], host, root / "paired")
                 del plain
                 print(f"paired: {paired}", flush=True)
                 if args.fetch_ahead == "both":
                     models = [model] + [load_model("smollm2-135m", device=str(bench_device()))[0]
                                         for _ in range(2)]
-                    compared = paired_ahead(models, ids, ref, steps,
+                    compared = paired_ahead(models, ids, fed, steps,
                                             cases["tierkv"]["device_budget"], host, root)
                     del models
                     print(f"fetch_ahead: {compared}", flush=True)

@@ -93,6 +93,17 @@ def pipeline_rows(d: dict) -> list[tuple]:
     return rows
 
 
+def kl_text(r: dict) -> str:
+    """", KL x" and the reference's margins at the top-1 misses, where the result has them
+    (results written before they were measured have not)."""
+    if r.get("kl") is None or r.get("top1_agreement") == 1.0 and r.get("kl") == 0.0:
+        return ""
+    misses = r.get("top1_misses")
+    at = "" if not misses else \
+        f" (misses where the reference's margin was {', '.join(fmt(m) for _, m in misses)})"
+    return f", KL {fmt(r['kl'])}{at}"
+
+
 def quality_rows(d: dict) -> list[tuple]:
     rows = []
     for policy, budgets in d.get("policies", {}).items():
@@ -101,7 +112,8 @@ def quality_rows(d: dict) -> list[tuple]:
                 rows.append((f"{policy} @ {budget}", None, f"error: {r['error'][:60]}"))
                 continue
             rows.append((f"{policy} @ {budget} top1", r.get("top1_agreement"),
-                         f"passkey {fmt(r.get('passkey_acc'))}, {fmt(r.get('ms_per_token'))} ms/token"))
+                         f"passkey {fmt(r.get('passkey_acc'))}, {fmt(r.get('ms_per_token'))} ms/token"
+                         f"{kl_text(r)}"))
     return rows
 
 
@@ -160,7 +172,7 @@ def decode_rows(d: dict) -> list[tuple]:
             device = f", device tier {fmt(c['device_budget'] / cfg['kv_bytes'])} of the KV{raised}"
         rows.append((f"{name} top1", c.get("top1_agreement"),
                      f"{fmt(c.get('ms_per_token'))} ms/token, {fmt(c.get('disk_bytes_per_token', 0) / 1e6)} "
-                     f"MB disk/token, stall {fmt(c.get('stall_frac'))}{device}"))
+                     f"MB disk/token, stall {fmt(c.get('stall_frac'))}{device}{kl_text(c)}"))
     rows.append(("context", cfg.get("tokens"), f"{cfg.get('steps')} decode steps, device budget "
                  f"{fmt(cfg.get('device_budget_frac'))} / host {fmt(cfg.get('host_budget_frac'))} of the KV"))
     return rows

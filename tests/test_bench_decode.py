@@ -95,7 +95,7 @@ def test_a_run_cut_short_leaves_its_headline_and_a_complete_run_removes_it(tmp_p
     monkeypatch.setattr(decode, "warm_up", lambda *a: None)
     full = {"ms_per_token": 10.0, "disk_bytes_per_token": 0.0, "top1_agreement": 1.0,
             "device_peak_bytes": None, "stall_frac": None}
-    monkeypatch.setattr(decode, "full_memory_case", lambda *a: (dict(full), torch.zeros(17)))
+    monkeypatch.setattr(decode, "full_memory_case", lambda *a: (dict(full), torch.zeros(17, 5)))
     monkeypatch.setattr(decode, "paired_speed", lambda *a: {"speedup": 1.25})
     ran, partial = [], []
 

@@ -21,6 +21,7 @@ def fake_results() -> dict:
                    "cases": {"full_memory": {"ms_per_token": 10.0, "top1_agreement": 1.0,
                                              "disk_bytes_per_token": 0.0, "stall_frac": None},
                              "tierkv": {"ms_per_token": 5.0, "top1_agreement": 0.9, "stall_frac": 0.1,
+                                        "kl": 0.0526, "top1_misses": [[10, 0.93], [49, 0.38]],
                                         "disk_bytes_per_token": 1e6, "device_budget": 56,
                                         "device_budget_raised_from": [50]},
                              "h2o": {"error": "TierFullError: boom"}}},
@@ -49,7 +50,9 @@ def test_render_rows_and_machine():
     reordered["decode"]["paired"]["ms_per_token"] = {"tierkv": 20.0, "full_memory": 10.0}
     assert "every other round reversed: 10 / 20 ms/token" in render(reordered)
     assert "| decode | tierkv top1 | 0.9 | 5 ms/token, 1 MB disk/token, stall 0.1, device tier 0.056 " \
-           "of the KV (raised after TierFullError) |" in table
+           "of the KV (raised after TierFullError), KL 0.0526 (misses where the reference's margin " \
+           "was 0.93, 0.38) |" in table
+    assert "| decode | full_memory top1 | 1 | 10 ms/token, 0 MB disk/token, stall - |" in table
     assert "| scale | 16384 tok: step / physical bound | 1.7 |" in table
     assert "| scale | 16384 tok: brute / step | - | too big |" in table
     assert "| scale | 16384 tok: peak RSS GB | 4.83 | whole run of the size, torch included; target: " \

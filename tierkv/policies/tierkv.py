@@ -56,7 +56,9 @@ script): the copies ran on the cores the step computes on, instead of while it w
 one compute thread (a core left to the copies), 131.1 against 134.2, both slower than 2
 threads without it (148.9 against 140.2 in one run). So it is on by default only on a GPU,
 whose copies run beside the compute (a copy engine, and a packing thread on a many-core host);
-not yet measured there.
+not yet measured there. Measured again once the cache's threads computed on one thread each
+(``tierkv.workers``; same command, 2026-11-29): 116.9 against 118.8 ms a token, stall 0.088
+against 0.083, top-1 0.969 both (``full_memory`` 160.7): still no gain on this CPU.
 
 The candidates change little from step to step: the leaves a layer fetched at its last step
 rank ``PRESELECT_STICKINESS`` x the leaves higher (a leaf ranks by its best place over the kv
