@@ -154,3 +154,17 @@ def test_the_offloaded_case_needs_the_model_on_a_gpu(capsys):
         "skipped": "transformers offloads a GPU's KV to CPU RAM: needs the model on a GPU"}
     decode.print_table({"offloaded": decode.offloaded_case(model, None, None, 4)})
     assert "offloaded      skipped: transformers offloads" in capsys.readouterr().out
+
+
+def test_case_figures_judge_the_decode_steps_not_the_prefill():
+    ref = torch.tensor([[0.0, 5.0], [5.0, 0.0], [0.0, 5.0], [4.0, 3.0]]).log_softmax(-1)
+    got = ref.clone()
+    got[0] = torch.tensor([5.0, 0.0]).log_softmax(-1)  # after prefill: not a decode step
+    got[3] = torch.tensor([3.0, 4.0]).log_softmax(-1)
+    out = decode.case_figures(got, [0.01, 0.03, 0.02], ref)
+    assert out["ms_per_token"] == pytest.approx(20.0)
+    assert out["top1_agreement"] == pytest.approx(2 / 3)
+    assert out["top1_misses"] == [[3, 1.0]]  # decode step 3, where the reference led by 4 - 3
+    assert out["kl"] > 0
+    assert decode.case_figures(got, [0.01], None) == {"ms_per_token": 10.0, "top1_agreement": None,
+                                                       "kl": None, "top1_misses": None}
