@@ -93,14 +93,22 @@ def pipeline_rows(d: dict) -> list[tuple]:
     return rows
 
 
+MARGINS_LISTED = 4  # more misses than this are summed up as a range and a median
+
+
 def kl_text(r: dict) -> str:
     """", KL x" and the reference's margins at the top-1 misses, where the result has them
     (results written before they were measured have not)."""
     if r.get("kl") is None or r.get("top1_agreement") == 1.0 and r.get("kl") == 0.0:
         return ""
-    misses = r.get("top1_misses")
-    at = "" if not misses else \
-        f" (misses where the reference's margin was {', '.join(fmt(m) for _, m in misses)})"
+    margins = sorted(m for _, m in r.get("top1_misses") or ())
+    if not margins:
+        at = ""
+    elif len(margins) <= MARGINS_LISTED:
+        at = f" (misses where the reference's margin was {', '.join(fmt(m) for m in margins)})"
+    else:
+        at = (f" ({len(margins)} misses where the reference's margin was {fmt(margins[0])}-"
+              f"{fmt(margins[-1])}, median {fmt(statistics.median(margins))})")
     return f", KL {fmt(r['kl'])}{at}"
 
 

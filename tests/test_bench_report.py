@@ -51,7 +51,11 @@ def test_render_rows_and_machine():
     assert "every other round reversed: 10 / 20 ms/token" in render(reordered)
     assert "| decode | tierkv top1 | 0.9 | 5 ms/token, 1 MB disk/token, stall 0.1, device tier 0.056 " \
            "of the KV (raised after TierFullError), KL 0.0526 (misses where the reference's margin " \
-           "was 0.93, 0.38) |" in table
+           "was 0.38, 0.93) |" in table
+    many = fake_results()
+    many["decode"]["cases"]["tierkv"]["top1_misses"] = [[i, m] for i, m in
+                                                        enumerate([3.0, 0.1, 0.5, 2.0, 0.2], 1)]
+    assert "KL 0.0526 (5 misses where the reference's margin was 0.1-3, median 0.5) |" in render(many)
     assert "| decode | full_memory top1 | 1 | 10 ms/token, 0 MB disk/token, stall - |" in table
     assert "| scale | 16384 tok: step / physical bound | 1.7 |" in table
     assert "| scale | 16384 tok: brute / step | - | too big |" in table
