@@ -112,6 +112,12 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """The last position's next-token log-probabilities of model ``logits`` (batch 1), fp32 on
+    the CPU, shape (vocab,)."""
+    return logits[0, -1].float().log_softmax(-1).cpu()
+
+
 def divergence(ref: torch.Tensor, got: torch.Tensor) -> dict:
     """How far a run's next-token distributions are from the reference's, step by step.
 

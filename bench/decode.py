@@ -57,8 +57,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from bench.common import (bench_device, divergence, document_ids, drop_page_cache, result_path,
-                          sync, write_result)
+from bench.common import (bench_device, divergence, document_ids, drop_page_cache, log_probs,
+                          result_path, sync, write_result)
 from tierkv import SelectConfig, TierConfig, TieredCache, TierFullError, load_model
 from tierkv.config import ChunkConfig
 from tierkv.shapes import KVShape
@@ -98,11 +98,6 @@ def run_decode(model, cache, ids: torch.Tensor, ref: torch.Tensor | None, steps:
             out.append(log_probs(logits))
             seconds.append(took)
     return torch.stack(out), seconds
-
-
-def log_probs(logits: torch.Tensor) -> torch.Tensor:
-    """The last position's log-probabilities, fp32 on the CPU, shape (vocab,)."""
-    return logits[0, -1].float().log_softmax(-1).cpu()
 
 
 def timed_step(model, cache, token: torch.Tensor):

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from bench.common import bench_device, divergence, document_ids, sync, write_result
+from bench.common import bench_device, divergence, document_ids, log_probs, sync, write_result
 from tierkv import SelectConfig, TierConfig, TieredCache, load_model
 from tierkv.shapes import KVShape
 from tierkv.textgen import passkey_prompt
@@ -177,7 +177,7 @@ def teacher_forced(model, cache, cont: torch.Tensor):
             logits = model(token.view(1, 1), past_key_values=cache, use_cache=True).logits
             sync(cont.device)
             seconds += time.perf_counter() - t0
-            out.append(logits[0, -1].float().log_softmax(-1).cpu())
+            out.append(log_probs(logits))
     return torch.stack(out), seconds
 
 
