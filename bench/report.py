@@ -209,6 +209,16 @@ def scale_rows(d: dict) -> list[tuple]:
                  (f"{tokens} tok: brute / step", r.get("brute_over_step"),
                   "reading every record / the selective step" if r.get("brute_s") else r.get("brute_skipped")),
                  (f"{tokens} tok: needle recall", r.get("needle_recall"), "planted needle chunks selected")]
+    fixed = d.get("config", {}).get("fixed_select_tokens")
+    for g in d.get("growth", []):
+        span = f"{g['from']} -> {g['to']} tok"
+        rows += [(f"{span}: step growth exponent", g.get("step_exponent"),
+                  f"log(step ratio {fmt(g.get('step_ratio'))}) / log(context ratio "
+                  f"{fmt(g.get('tokens_ratio'))}); < 1 is sub-linear. A budget of 2 % of the "
+                  "context reads bytes in proportion to it"),
+                 (f"{span}: step growth exponent, fixed budget", g.get("fixed_step_exponent"),
+                  f"the same with {fixed} tokens a group at every size (step ratio "
+                  f"{fmt(g.get('fixed_step_ratio'))})")]
     for tokens, why in d.get("not_run", {}).items():
         rows.append((f"{tokens} tok", None, f"not run: {why}"))
     return rows

@@ -27,7 +27,12 @@ before each step:
   a step's disk records (scattered 1 MiB reads, ``IO_THREADS`` at a time, the best of page-cache
   and O_DIRECT reads): the disk's limit for this access pattern, without any of tierkv's work;
 
-and once, ``brute_s``: the step reading every record, through the same code. ``step_cpu_s``: the
+and once, ``brute_s``: the step reading every record, through the same code. A budget that is a
+share of the context reads bytes in proportion to it, so its step cannot grow sub-linearly; the
+same steps with ``FIXED_SELECT`` tokens a group at every size (``fixed_budget``: 2 % of 64K)
+show what the rest of the step (the bounds of every chunk, the host tier, the index) adds as the
+context grows. ``growth``: from each size to the next, the ratio of step times and its exponent
+in the ratio of contexts (below 1: sub-linear), for both budgets. ``step_cpu_s``: the
 CPU time of the whole process during a step (every thread, user and system: selection, reads,
 checks, attention); ``cpu_bound_s`` that over the cores the process may use: the step cannot be
 shorter, however fast the disk. On a machine of few cores, a fast disk leaves the step bound by
@@ -75,9 +80,10 @@ from tierkv.summary import chunk_scores, summarize
 
 SHAPE = KVShape(layers=32, kv_heads=8, head_dim=128, q_heads=32, dtype=torch.float16)
 GROUP, CHUNK, SELECT = 4, 64, 0.02
+REF_TOKENS = 65536       # the context at which the budgets are 1 GB / 4 GB
+FIXED_SELECT = int(SELECT * REF_TOKENS) // CHUNK * CHUNK  # 2 % of 64K held fixed: 1,280 tokens
 NEEDLES = 4              # needle chunks per group
 POOL = 64                # distinct random blocks the records cycle through
-REF_TOKENS = 65536       # the context at which the budgets are 1 GB / 4 GB
 DEVICE_BUDGET, HOST_BUDGET = 1e9, 4e9
 BATCH = 16               # records per KVStore.fetch: the unit of prefetch
 LOOKAHEAD = 3            # batches submitted but not yet attended, at most (besides the current)
@@ -348,6 +354,10 @@ def bench_size(root: Path, tokens: int, steps: int) -> dict:
         reset_peak_rss()
         runs, gbps, extent = measured_steps(store, kv, summaries, root, select_tokens, steps,
                                             config.io_threads)
+        fixed = step_figures(runs, gbps, extent)
+        if FIXED_SELECT // CHUNK != select_tokens // CHUNK:
+            fixed = step_figures(*measured_steps(store, kv, summaries, root, FIXED_SELECT, steps,
+                                                 config.io_threads))
         direct = store.disk.reads_direct()
         rss["step"] = peak_rss()
         brute = None
@@ -365,7 +375,29 @@ def bench_size(root: Path, tokens: int, steps: int) -> dict:
             "peak_rss_write": rss["write"], "peak_rss_step": rss["step"],
             "peak_rss_brute": rss.get("brute"), "peak_rss_process": max(rss.values()),
             **step_figures(runs, gbps, extent),
-            **brute_figures(brute, runs, tiers["disk_bytes"])}
+            **brute_figures(brute, runs, tiers["disk_bytes"]),
+            "fixed_budget": {"select_tokens_per_group": FIXED_SELECT,
+                             **{k: fixed[k] for k in FIXED_FIGURES}}}
+
+
+FIXED_FIGURES = ("step_s", "step_fetch_s", "step_select_s", "disk_bytes_per_step",
+                 "needle_recall", "step_over_physical_bound")
+
+
+def growth(results: dict[str, dict]) -> list[dict]:
+    """How the step grows from each size to the next: the ratio of step times, and its exponent
+    in the ratio of contexts (``log(step ratio) / log(tokens ratio)``; below 1 the step grows
+    sub-linearly), with the 2 % budget (whose bytes grow with the context) and the fixed one."""
+    sizes = sorted(results.values(), key=lambda r: r["tokens"])
+    out = []
+    for a, b in zip(sizes, sizes[1:]):
+        tokens = b["tokens"] / a["tokens"]
+        row = {"from": a["tokens"], "to": b["tokens"], "tokens_ratio": tokens}
+        for name, fa, fb in (("step", a, b), ("fixed_step", a["fixed_budget"], b["fixed_budget"])):
+            ratio = fb["step_s"] / fa["step_s"]
+            row[f"{name}_ratio"], row[f"{name}_exponent"] = ratio, math.log(ratio) / math.log(tokens)
+        out.append(row)
+    return out
 
 
 def step_figures(runs: list[dict], gbps: float, extent: float) -> dict:
@@ -436,12 +468,18 @@ def main(argv=None) -> dict:
               f"{r['step_over_cpu_bound']:8.2f} "
               f"{'-' if brute is None else f'{brute:.1f}':>10} {r['needle_recall']:6.2f} "
               f"{r['peak_rss_step'] / 1e9:7.2f}")
+    grows = growth(results)
+    for g in grows:
+        print(f"{g['from']} -> {g['to']} tokens (x{g['tokens_ratio']:.0f}): step x{g['step_ratio']:.2f} "
+              f"(exponent {g['step_exponent']:.2f}) with the {SELECT:.0%} budget, "
+              f"x{g['fixed_step_ratio']:.2f} ({g['fixed_step_exponent']:.2f}) with {FIXED_SELECT} tokens")
     result = {"config": {"layers": SHAPE.layers, "kv_heads": SHAPE.kv_heads, "head_dim": SHAPE.head_dim,
                          "dtype": "float16", "group_layers": GROUP, "chunk": CHUNK, "select": SELECT,
+                         "fixed_select_tokens": FIXED_SELECT,
                          "needles_per_group": NEEDLES, "batch_records": BATCH, "lookahead": LOOKAHEAD,
                          "fetchers": FETCHERS, "io_threads": IO_THREADS,
                          "quick": args.quick, "threads": torch.get_num_threads()},
-              "sizes": results, "not_run": not_run, "rss_idle": idle}
+              "sizes": results, "growth": grows, "not_run": not_run, "rss_idle": idle}
     print(write_result("scale", result))
     return result
 

@@ -31,6 +31,10 @@ def fake_results() -> dict:
                                                           "brute_skipped": "too big", "needle_recall": 1.0,
                                                           "peak_rss_process": 4_830_000_000,
                                                           "host_budget": 4_000_000_000}},
+                  "config": {"fixed_select_tokens": 1280},
+                  "growth": [{"from": 65536, "to": 262144, "tokens_ratio": 4.0, "step_ratio": 4.36,
+                              "step_exponent": 1.06, "fixed_step_ratio": 1.5,
+                              "fixed_step_exponent": 0.29}],
                   "not_run": {"1048576": "137 GB of KV"}},
         "mystery": {"machine": MACHINE},
     }
@@ -65,6 +69,10 @@ def test_render_rows_and_machine():
     assert "| scale | 16384 tok: step / CPU bound | 1.25 | the same step vs its process CPU time / " \
            "cores (320 ms of CPU a step) |" in table
     assert "not run: 137 GB of KV" in table
+    assert "| scale | 65536 -> 262144 tok: step growth exponent | 1.06 | log(step ratio 4.36) / " \
+           "log(context ratio 4); < 1 is sub-linear." in table
+    assert "| scale | 65536 -> 262144 tok: step growth exponent, fixed budget | 0.29 | the same " \
+           "with 1280 tokens a group at every size (step ratio 1.5) |" in table
     assert "| mystery | - | - | no renderer for this file |" in table
     assert table.count("Machine: 2 CPUs, no GPU") == 1   # one machine, described once
 
