@@ -33,3 +33,19 @@ def test_an_answer_past_the_context_is_capped_and_said(capsys):
                                        "the document and question take 90 of the model's "
                                        "100-token context\n")
     assert answer_room(SimpleNamespace(config=SimpleNamespace()), 10**6, 10, 64) == 64
+
+
+def test_output_dirs_that_cannot_be_made_refused_before_the_model_loads(tmp_path):
+    """``--save``/``--disk-dir``/``--out`` under a file: refused by the path checks, which run
+    before a model is loaded, not by the save after a prefill."""
+    from tierkv.cli_args import check_creatable, check_new_dir
+
+    (tmp_path / "doc.txt").write_text("text")
+    for path in (tmp_path / "doc.txt" / "sub", tmp_path / "doc.txt" / "a" / "b"):
+        with pytest.raises(ValueError, match=rf"--save {path}: cannot be created, "
+                                             rf"{tmp_path / 'doc.txt'} is not a directory"):
+            check_new_dir(path, "--save")
+    check_new_dir(tmp_path / "new" / "deeper", "--save")  # absent, under a writable directory
+    check_creatable(tmp_path, "--out")
+    assert not (tmp_path / "new").exists()  # checked, not made
+

@@ -313,3 +313,72 @@ def test_read_only_open_changes_nothing(tmp_path, make_block, blocks_equal):
     with pytest.raises(FileNotFoundError):
         DiskTier(tmp_path / "absent", read_only=True)
     assert not (tmp_path / "absent").exists()
+
+
+@pytest.mark.timeout(30)  # a regression blocks on the FIFO: failed here, not the suite hung
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_manifest_that_is_no_regular_file_is_set_aside_not_read(tmp_path, make_block, blocks_equal,
+                                                                  kind):
+    """A FIFO in the manifest's place would block the opening for ever; a directory would fail
+    it with a bare OS error. Both are damage: set aside, the records kept."""
+    with DiskTier(tmp_path) as tier:
+        tier.put(_key(), make_block(_key()))
+    (tmp_path / MANIFEST).unlink()
+    os.mkfifo(tmp_path / MANIFEST) if kind == "fifo" else (tmp_path / MANIFEST).mkdir()
+    with DiskTier(tmp_path, read_only=True) as tier:  # left in place
+        report = tier.open_report["manifest"]
+        assert report.startswith("corrupt")
+        assert ("not a regular file" if kind == "fifo" else "a directory") in report
+    with DiskTier(tmp_path) as tier:
+        assert tier.open_report["manifest"].startswith("corrupt")
+        assert blocks_equal(tier.get(_key()), make_block(_key()))
+    assert (tmp_path / MANIFEST).is_file()  # a fresh one, written at close
+
+
+def test_no_segment_number_left_refuses_the_write(tmp_path, make_block, blocks_equal):
+    """Segment names hold six digits: a stray ``seg-999999.tkv`` leaves no number for a new
+    segment, and the write is refused before anything lands in a file no opening would list."""
+    with DiskTier(tmp_path) as tier:
+        tier.put(_key("kept"), make_block(_key("kept")))
+        tier.set_doc_meta("kept", {"n": 1}, {})
+    (tmp_path / "seg-999999.tkv").write_bytes(b"junk\n")
+    with DiskTier(tmp_path) as tier:
+        with pytest.raises(StorageError, match="no segment number is left"):
+            tier.put(_key("new"), make_block(_key("new")))
+    assert not (tmp_path / "seg-1000000.tkv").exists()
+    with DiskTier(tmp_path) as tier:
+        assert blocks_equal(tier.get(_key("kept")), make_block(_key("kept")))
+        assert tier.doc_meta("kept")[0] == {"n": 1}
+
+
+def test_doc_meta_arrays_checked_when_set(tmp_path, make_block):
+    """A tensor the manifest can hold is saved whatever its shape (0-dim too); one it cannot is
+    refused when set, naming it, with the document's metadata as it was: never a save that
+    fails from then on and takes the other documents' metadata with it."""
+    with DiskTier(tmp_path) as tier:
+        tier.put(_key("a"), make_block(_key("a")))
+        tier.set_doc_meta("a", {"title": "A"}, {"ids": torch.arange(4)})
+        tier.set_doc_meta("b", {"v": 1}, {"t": torch.tensor(0.7), "x": torch.arange(3)})
+        for bad in (torch.eye(3).to_sparse(), torch.empty(3, device="meta")):
+            with pytest.raises(ValueError, match="array 'x' of 'b'"):
+                tier.set_doc_meta("b", {"v": 2}, {"x": bad})
+        with pytest.raises(ValueError, match="not a tensor"):
+            tier.set_doc_meta("b", {"v": 2}, {"x": [1, 2]})
+    with DiskTier(tmp_path) as tier:
+        assert tier.saved_docs() == ["a", "b"]
+        meta, arrays = tier.doc_meta("b")
+        assert meta == {"v": 1} and torch.equal(arrays["x"], torch.arange(3))
+        assert arrays["t"].shape == () and arrays["t"].item() == pytest.approx(0.7)
+        assert torch.equal(tier.doc_meta("a")[1]["ids"], torch.arange(4))
+
+
+@pytest.mark.parametrize("bad", ["x", float("nan"), -0.1, 1.5, True])
+def test_reclaim_share_checked(tmp_path, bad):
+    with DiskTier(tmp_path) as tier, pytest.raises(ValueError, match="max_dead"):
+        tier.reclaim(bad)
+
+
+@pytest.mark.parametrize("block", [None, "kv", (torch.zeros(1, 1, 16, 4),) * 2])
+def test_put_of_something_else_than_a_kvblock_named(tmp_path, block):
+    with DiskTier(tmp_path) as tier, pytest.raises(ValueError, match="expected a KVBlock"):
+        tier.put(_key(), block)

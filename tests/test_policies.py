@@ -200,6 +200,18 @@ def test_record_sizes_follow_what_reads_each_group():
     assert small.record_tokens((0,)) == 16 and small.record_tokens((1,)) == 16  # capped at max
 
 
+@pytest.mark.parametrize("chunks", [ChunkConfig(min=2, base=4, max=4),
+                                    ChunkConfig(min=16, base=16, max=64)])
+def test_a_policy_whose_chunks_the_config_forbids_is_refused_when_made(chunks):
+    """``quest``'s 8-token pages outside ChunkConfig's leaf sizes: refused when the policy is
+    made, naming both, not by the chunk tree in the middle of a prefill."""
+    with pytest.raises(ValueError, match=r"policy 'quest' seals 8-token chunks \(layer 0\), "
+                                         rf"outside ChunkConfig\(min={chunks.min}, max={chunks.max}\)"):
+        make_policy("quest", 6, SelectConfig(), chunks, {})
+    for name in ("full", "omnikv", "tierkv", "leoam", "streaming", "h2o"):  # follow ``base``
+        make_policy(name, 6, SelectConfig(filter_layers=(1, 3)), chunks, {})
+
+
 def leaves_read_by_one_head() -> tuple[GroupIndex, torch.Tensor]:
     """8 leaves of 8 tokens: kv head 1 reads leaf 3 (keys along the query), leaf 6 is wide in
     both heads (the largest bound, its box centred on 0); and the query, shape (2, DIM)."""

@@ -337,3 +337,22 @@ def test_record_key_hashes_once_and_pickles_by_value_across_processes():
     out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(key), capture_output=True,
                          env={**os.environ, "PYTHONHASHSEED": "12345"}, check=True)
     assert out.stdout.decode().split() == ["found", "True"]
+
+
+def test_reopening_with_another_shape_refused(tmp_path, make_block):
+    """Records written for one KVShape, read back under another, would come back as blocks of
+    the old shape: the store refuses the directory, names both, and leaves it as it was."""
+    with _store(tmp_path, host=1) as store:
+        store.put(_key(0), make_block(_key(0)))
+    other = TierConfig(device_budget="1MB", host_budget=1, device="cpu", disk_dir=tmp_path / "kv")
+    for shape in (KVShape(layers=2, kv_heads=4, head_dim=8), KVShape(layers=2, kv_heads=2, head_dim=16),
+                  KVShape(layers=1, kv_heads=2, head_dim=8),
+                  KVShape(layers=2, kv_heads=2, head_dim=8, dtype=torch.float16)):
+        with pytest.raises(ValueError, match=r"the records of 'doc' are 2 layers x 2 KV heads x "
+                                             r"head_dim 8, torch.float32, which do not fit KVShape"):
+            KVStore(shape, other)
+    with KVStore(KVShape(layers=3, kv_heads=2, head_dim=8), other) as store:  # more layers: fits
+        assert store.where(_key(0)) == "disk"
+    with _store(tmp_path, host=1) as store:
+        assert torch.equal(store.get(_key(0)).keys, make_block(_key(0)).keys)
+

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import mmap
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import block_for
 from tierkv.config import CodecConfig, SelectConfig, TierConfig, parse_size
+from tierkv.shapes import KVShape
 from tierkv.storage import DeviceTier, HostTier, KVBlock, RecordKey, TierFullError, host
 
 
@@ -99,6 +101,49 @@ def test_config_values_of_the_wrong_kind(make, message):
     with pytest.raises(ValueError, match=message):
         make()
     assert parse_size("0.5GB") == 500_000_000 and parse_size(2.0) == 2
+
+
+def test_byte_counts_exact_and_bounded():
+    """Whole byte counts are taken exactly (a float would round past 2**53), and one past
+    2**62 is refused by name, not by an OverflowError."""
+    assert parse_size(2**53 + 1) == 2**53 + 1 == parse_size(str(2**53 + 1))
+    for huge in (10**400, 2**62 + 1, -1):
+        with pytest.raises(ValueError, match=r"device_budget=.*between 0 and 2\*\*62"):
+            TierConfig(device_budget=huge)
+
+
+@pytest.mark.parametrize("config, message", [
+    (SimpleNamespace(num_hidden_layers=2, num_attention_heads=0, hidden_size=64),
+     "num_attention_heads=0 and hidden_size=64 give no head_dim"),
+    (SimpleNamespace(num_hidden_layers=2, num_attention_heads=4), "has no hidden_size"),
+    (SimpleNamespace(num_attention_heads=4, hidden_size=64), "has no num_hidden_layers"),
+])
+def test_shape_of_a_model_config_that_has_none(config, message):
+    with pytest.raises(ValueError, match=message):
+        KVShape.from_config(config)
+    shape = KVShape(2, 2, 8)
+    for bad in ("3", -1, 1.5):
+        with pytest.raises(ValueError, match="count >= 0"):
+            shape.kv_bytes(bad)
+        with pytest.raises(ValueError, match="count >= 0"):
+            shape.token_bytes(bad)
+
+
+@pytest.mark.parametrize("block", [None, (torch.zeros(1, 1, 4, 2),) * 2])
+def test_put_of_something_else_than_a_kvblock_named(block):
+    with pytest.raises(ValueError, match="expected a KVBlock"):
+        HostTier(1000).put(RecordKey("d", 0, 0, 4), block)
+
+
+@pytest.mark.parametrize("nbytes", [-1, 1.5, "10", None])
+def test_reserve_takes_whole_byte_counts(nbytes, make_block):
+    """A negative reservation would free room the tier's records then fill past its budget."""
+    tier = HostTier(1000)
+    with pytest.raises(ValueError, match="byte count"):
+        tier.reserve("x", nbytes)
+    assert tier.used == 0
+    tier.reserve("x", torch.tensor(10))  # an integer tensor is a count
+    assert tier.used == 10
 
 
 @pytest.mark.cuda

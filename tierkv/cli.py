@@ -108,12 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_calibrate(args) -> int:
     """``tierkv calibrate``: calibrate the model and save its profile."""
+    from .cli_args import check_creatable
     from .hf.calibrate import calibrate
     from .hf.model import load_model
     from .hf.profile import PROFILES, model_id, save_profile
 
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out}: exists and is not a directory")
+    if args.out is not None:
+        check_creatable(args.out, "--out")
     model, tok = load_model(args.model)
     if args.out is None and not args.force:
         _check_replaceable_profile(PROFILES / f"{model_id(model)}.json", model, args.model)

@@ -1,6 +1,7 @@
 """Checks of the paths a user names on the command line, before any model is loaded."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from .storage.manifest import MANIFEST
@@ -30,9 +31,24 @@ def read_document(path: Path) -> str:
 
 
 def check_new_dir(path: Path, option: str) -> None:
-    """``path`` may become a new store: it is absent or an empty directory."""
+    """``path`` may become a new store: it is absent or an empty directory, and can be made."""
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise ValueError(f"{option} {path}: exists and is not an empty directory")
+    check_creatable(path, option)
+
+
+def check_creatable(path: Path, option: str) -> None:
+    """``path`` is a directory, or one this process can create: its nearest existing ancestor
+    is a directory it may write in (checked before a model loads, not after a prefill)."""
+    if path.is_dir():
+        return
+    parent = path.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{option} {path}: cannot be created, {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: cannot be created, {parent} is not writable")
 
 
 def check_store_dir(path: Path, option: str, segments_enough: bool = False) -> None:

@@ -27,14 +27,21 @@ def parse_size(value: int | float | str, field_name: str = "size") -> int:
     """
     if isinstance(value, bool):
         raise ValueError(f"{field_name}={value!r}: expected a byte count or a size like '64MB'")
-    if isinstance(value, (int, float)):
-        number, unit = float(value), ""
+    if isinstance(value, int):  # exact: a float would round past 2**53, and overflow
+        if not 0 <= value <= 2**62:
+            shown = value if len(str(value)) <= 24 else f"{str(value)[:12]}... ({len(str(value))} digits)"
+            raise ValueError(f"{field_name}={shown}: must be between 0 and 2**62 bytes")
+        return value
+    if isinstance(value, float):
+        number, unit = value, ""
     elif isinstance(value, str):
         match = _SIZE_RE.match(value)
         if not match or match.group(2).lower() not in _UNITS:
             raise ValueError(f"{field_name}={value!r}: expected a size like '64MB', '1.5GiB' or "
                              f"an integer byte count (units: KB MB GB TB KiB MiB GiB TiB)")
         number, unit = float(match.group(1)), match.group(2).lower()
+        if not unit and match.group(1).isdigit():
+            return parse_size(int(match.group(1)), field_name)
     else:
         raise ValueError(f"{field_name}={value!r}: expected int or str, got {type(value).__name__}")
     size = number * _UNITS[unit]

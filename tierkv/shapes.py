@@ -54,10 +54,14 @@ class KVShape:
     def token_bytes(self, layers: int | None = None) -> int:
         """Bytes of K and V for one token over ``layers`` layers (default: all)."""
         n_layers = self.layers if layers is None else layers
+        if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 0:
+            raise ValueError(f"layers={layers!r}: expected a layer count >= 0")
         return 2 * n_layers * self.kv_heads * self.head_dim * self.itemsize
 
     def kv_bytes(self, tokens: int) -> int:
         """Bytes of the whole KV cache at ``tokens`` tokens."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"tokens={tokens!r}: expected a token count >= 0")
         return tokens * self.token_bytes()
 
     @classmethod
@@ -67,11 +71,15 @@ class KVShape:
         try:
             layers = text.num_hidden_layers
             q_heads = text.num_attention_heads
+            kv_heads = getattr(text, "num_key_value_heads", None) or q_heads
+            head_dim = getattr(text, "head_dim", None) or text.hidden_size // q_heads
         except AttributeError as exc:
             raise ValueError(f"model config {type(config).__name__} has no {exc.name}: "
                              "not a decoder-only attention model tierkv supports") from exc
-        kv_heads = getattr(text, "num_key_value_heads", None) or q_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // q_heads
+        except (TypeError, ZeroDivisionError):
+            raise ValueError(f"model config {type(config).__name__}: num_attention_heads="
+                             f"{q_heads!r} and hidden_size={getattr(text, 'hidden_size', None)!r} "
+                             "give no head_dim") from None
         if dtype is None:
             dtype = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or torch.float32
             if isinstance(dtype, str):

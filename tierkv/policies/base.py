@@ -40,7 +40,15 @@ def make_policy(name: str, layers: int, select: SelectConfig, chunks: ChunkConfi
     """Build the policy registered under ``name``."""
     if name not in REGISTRY:
         raise ValueError(f"policy={name!r}: must be one of {', '.join(sorted(REGISTRY))}")
-    return REGISTRY[name](layers, select, chunks, profile or {})
+    policy = REGISTRY[name](layers, select, chunks, profile or {})
+    for group in policy.groups():  # the chunk trees take leaves of ``chunks.min`` to ``max``
+        leaf = policy.leaf_tokens(group) or policy.record_tokens(group)
+        if not chunks.min <= leaf <= chunks.max:
+            where = f"layer {group[0]}" if len(group) == 1 else f"layers {group[0]}-{group[-1]}"
+            raise ValueError(f"policy {name!r} seals {leaf}-token chunks ({where}), outside "
+                             f"ChunkConfig(min={chunks.min}, max={chunks.max}): allow {leaf} "
+                             "tokens")
+    return policy
 
 
 def filter_layers_of(filters, layers: int, name: str, hint: str = "") -> tuple[int, ...]:

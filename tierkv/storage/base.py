@@ -6,6 +6,7 @@ drops data on its own.
 """
 from __future__ import annotations
 
+import operator
 import re
 import threading
 from abc import ABC, abstractmethod
@@ -114,6 +115,16 @@ class KVBlock(NamedTuple):
         return self
 
 
+def check_put(key, block) -> None:
+    """ValueError unless ``key`` is a RecordKey and ``block`` a valid KVBlock spanning it."""
+    if not isinstance(key, RecordKey):
+        raise ValueError(f"key={key!r}: expected a RecordKey")
+    if not isinstance(block, KVBlock):
+        raise ValueError(f"block of {key}: expected a KVBlock(keys, values), got "
+                         f"{type(block).__name__}")
+    block.check(key)
+
+
 class Tier(ABC):
     """A budgeted map ``RecordKey -> KVBlock`` with byte accounting.
 
@@ -188,7 +199,7 @@ class Tier(ABC):
 
         Raises TierFullError (nothing stored) when it does not fit the budget.
         """
-        block.check(key)
+        check_put(key, block)
         need = self.stored_size(block)
         with self._lock:
             self._check_open()
@@ -207,6 +218,12 @@ class Tier(ABC):
         Replaces the previous amount under ``tag``; 0 releases it. Raises TierFullError, changing
         nothing, when the budget would be exceeded.
         """
+        try:
+            nbytes = operator.index(nbytes)
+        except TypeError:
+            nbytes = -1
+        if nbytes < 0:
+            raise ValueError(f"reserve({tag!r}, ...): expected a whole byte count >= 0")
         with self._lock:
             old = self._reserved.get(tag, 0)
             if nbytes > old and self.budget is not None and self._used - old + nbytes > self.budget:

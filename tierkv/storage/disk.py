@@ -19,7 +19,7 @@ import torch
 
 from ..config import CodecConfig, check_direct_io, parse_size
 from ..workers import worker_pool
-from .base import CorruptRecordError, KVBlock, RecordKey, Tier, TierFullError
+from .base import CorruptRecordError, KVBlock, RecordKey, Tier, TierFullError, check_put
 from .codec import BLOCK_HEADER_SIZE, Codec, codec_by_id, codec_name_by_id, decode_block, \
     encode_block, make_codec
 from .diskmeta import DocMeta
@@ -131,9 +131,7 @@ class DiskTier(Tier):
         Raises TierFullError when over budget, DiskWriteError when the write fails (nothing
         stored, earlier records intact).
         """
-        if not isinstance(key, RecordKey):
-            raise ValueError(f"key={key!r}: expected a RecordKey")
-        block.check(key)
+        check_put(key, block)
         enc = self._codec(codec)
         cpu = block.to("cpu")
         payload = encode_block(enc, cpu)
@@ -229,6 +227,10 @@ class DiskTier(Tier):
 
         Returns (segments deleted, segments compacted). ``delete_doc`` calls it.
         """
+        if isinstance(max_dead, bool) or not isinstance(max_dead, (int, float)) or \
+                not 0 <= max_dead <= 1:
+            raise ValueError(f"max_dead={max_dead!r}: expected the share of a segment's bytes "
+                             "that are dead, from 0 to 1")
         with self._lock:
             self._check_open()
             result = self._files.reclaim(max_dead)
@@ -348,6 +350,16 @@ class DiskTier(Tier):
     def doc_meta(self, doc: str) -> tuple[dict, dict[str, torch.Tensor]]:
         """Copies of the metadata and tensors of ``doc``; KeyError when it has none."""
         return self._meta.get(doc)
+
+    def record_shapes(self) -> dict[tuple[int, int, int, torch.dtype], set[str]]:
+        """(layers, kv_heads, head_dim, dtype) of the live records -> the documents holding
+        records of that shape."""
+        shapes: dict[tuple, set[str]] = {}
+        with self._lock:
+            for key, loc in self._files.index.live.items():
+                h = loc.header
+                shapes.setdefault((h.layers, h.kv_heads, h.head_dim, h.torch_dtype), set()).add(key.doc)
+        return shapes
 
     def codec_of(self, key: RecordKey) -> str:
         """Name of the codec the record of ``key`` is stored with."""

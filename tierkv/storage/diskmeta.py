@@ -16,6 +16,25 @@ from .manifest import INDEX_FIELDS, MANIFEST, MANIFEST_ASIDE, MANIFEST_TMP, \
     CorruptManifestError, check_array_name, check_index, encode_manifest, read_manifest, write_atomic
 
 
+def _saveable(doc: str, name: str, tensor) -> torch.Tensor:
+    """A CPU copy of ``tensor`` that the manifest can hold, or ValueError naming what is wrong:
+    checked when the metadata is set, so a tensor no manifest can hold never fails every later
+    save (and with it the other documents' metadata)."""
+    check_array_name(name)
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"array {name!r} of {doc!r} is not a tensor")
+    if tensor.layout != torch.strided or tensor.is_meta:
+        raise ValueError(f"array {name!r} of {doc!r}: a dense tensor with data expected, got "
+                         f"layout {tensor.layout} on {tensor.device}")
+    try:
+        copy = tensor.detach().to("cpu", copy=True).contiguous()
+        encode_manifest({f: [] for f in INDEX_FIELDS}, [doc], {}, {doc: {name: copy}})
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"array {name!r} of {doc!r} ({tensor.dtype}, shape "
+                         f"{tuple(tensor.shape)}) cannot be saved: {exc}") from None
+    return copy
+
+
 class DocMeta:
     """JSON metadata and named tensors per document, saved in ``manifest.safetensors``."""
 
@@ -40,13 +59,9 @@ class DocMeta:
             raise ValueError(f"meta of {doc!r} is not JSON-serialisable: {exc}") from None
         if not isinstance(meta, dict) or not isinstance(arrays, dict):
             raise ValueError(f"meta of {doc!r} must be a dict and arrays a dict of tensors")
-        for name, tensor in arrays.items():
-            check_array_name(name)
-            if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"array {name!r} of {doc!r} is not a tensor")
+        copies = {name: _saveable(doc, name, tensor) for name, tensor in arrays.items()}
         self._entries[doc] = {"seq": self._files.index.max_seq, "meta": meta}
-        self._arrays[doc] = {n: t.detach().to("cpu", copy=True).contiguous()
-                             for n, t in arrays.items()}
+        self._arrays[doc] = copies
         self._dirty.add(doc)
 
     def get(self, doc: str) -> tuple[dict, dict[str, torch.Tensor]]:

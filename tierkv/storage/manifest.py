@@ -18,6 +18,7 @@ import errno
 import json
 import os
 import re
+import stat
 import struct
 import zlib
 
@@ -71,7 +72,7 @@ def _crc(info: dict[str, str], tensors: dict[str, torch.Tensor]) -> int:
     for name in sorted(tensors):
         t = tensors[name]
         crc = zlib.crc32(f"{name}:{t.dtype}:{tuple(t.shape)}".encode(), crc)
-        crc = zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes(), crc)
+        crc = zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
     return crc
 
 
@@ -155,8 +156,9 @@ def _refuse_newer(info, tensors: dict[str, torch.Tensor]) -> None:
 
 def _open_manifest(dir_fd: int) -> int | None:
     """A read descriptor of the directory's manifest, or None when there is none."""
-    try:
-        return os.open(MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:  # O_NONBLOCK: a FIFO in its place would block the opening for ever
+        fd = os.open(MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                     dir_fd=dir_fd)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -164,6 +166,11 @@ def _open_manifest(dir_fd: int) -> int | None:
             raise CorruptManifestError("manifest is a symlink: refused") from None
         # Not damage (permissions, I/O): never set aside and replaced for that.
         raise StorageError(f"manifest cannot be opened: {exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        kind = "a directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "not a regular file"
+        os.close(fd)
+        raise CorruptManifestError(f"{MANIFEST} is {kind}: refused")
+    return fd
 
 
 def refuse_newer_manifest(dir_fd: int) -> None:

@@ -16,8 +16,8 @@ from .base import CorruptRecordError, NewerFormatError, StorageError
 from .diskindex import DiskIndex, SegmentInfo
 from .locking import DirLock
 from .manifest import DiskWriteError
-from .segment import HEADER, MAGIC, PAD_ALIGN, SEGMENT_RE, VERSION, Scanned, check_crc, \
-    newer_version, parse_header, scan_headers, scan_segment, segment_name
+from .segment import HEADER, MAGIC, MAX_SEGMENT, PAD_ALIGN, SEGMENT_RE, VERSION, Scanned, \
+    check_crc, newer_version, parse_header, scan_headers, scan_segment, segment_name
 
 ZERO_TAIL_MAX = 1 << 20  # a longer tail of zeros is kept aside all the same, not judged torn
 _RO = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -278,6 +278,10 @@ class SegmentDir:
         return self._writer
 
     def _create(self, number: int) -> int:
+        if number > MAX_SEGMENT:  # a seventh digit would name a file no opening lists
+            raise StorageError(f"disk tier {self.path}: no segment number is left after "
+                               f"{segment_name(MAX_SEGMENT)} (a file of that name is here); "
+                               "nothing was written")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         os.close(os.open(segment_name(number), flags, 0o644, dir_fd=self.dir_fd))
         self.index.segments[number] = SegmentInfo(number)

@@ -38,6 +38,7 @@ KIND_DATA, KIND_DOC_TOMBSTONE, KIND_KEY_TOMBSTONE = 0, 1, 2
 DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 DTYPES_BY_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
 SEGMENT_RE = re.compile(r"^seg-(\d{6})\.tkv$")
+MAX_SEGMENT = 10**6 - 1  # the names hold six digits
 MAX_STORED = 1 << 40
 _SCAN_WINDOW = 1 << 20
 

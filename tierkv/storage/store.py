@@ -24,7 +24,7 @@ import torch
 
 from ..config import CODECS, LOSSY_CODECS, TierConfig
 from ..shapes import KVShape
-from .base import KVBlock, RecordKey, TierFullError
+from .base import KVBlock, RecordKey, TierFullError, check_put
 from .device import DeviceTier
 from .disk import DiskTier
 from .host import HostTier
@@ -60,6 +60,8 @@ class KVStore:
         self.disk = None if config.disk_dir is None else DiskTier(
             config.disk_dir, codec=config.codec, segment_size=config.segment_size,
             io_threads=config.io_threads, budget=config.disk_budget, direct_io=config.direct_io)
+        if self.disk is not None:
+            self._check_stored()
         self._ranks = Ranking()
         self._codecs: dict[RecordKey, str | None] = {}
         self._clean: set[RecordKey] = set()  # host copies whose disk copy is current
@@ -133,12 +135,7 @@ class KVStore:
                 self._codecs.pop(key, None)
 
     def _check(self, key: RecordKey, block: KVBlock) -> None:
-        if not isinstance(key, RecordKey):
-            raise ValueError(f"key={key!r}: expected a RecordKey")
-        if not isinstance(block, KVBlock):
-            raise ValueError(f"block of {key}: expected a KVBlock(keys, values), got "
-                             f"{type(block).__name__}")
-        block.check(key)
+        check_put(key, block)
         layers, heads, _, dim = block.keys.shape
         s = self.shape
         if layers > s.layers or heads != s.kv_heads or dim != s.head_dim \
@@ -146,6 +143,20 @@ class KVStore:
             raise ValueError(f"block of {key}: shape {tuple(block.keys.shape)} {block.keys.dtype} "
                              f"does not fit KVShape(layers={s.layers}, kv_heads={s.kv_heads}, "
                              f"head_dim={s.head_dim}, dtype={s.dtype})")
+
+    def _check_stored(self) -> None:
+        """ValueError (the directory closed, nothing changed) when the disk tier holds records
+        that do not fit ``shape``: read back, they would be blocks of another shape."""
+        s = self.shape
+        for (layers, heads, dim, dtype), docs in self.disk.record_shapes().items():
+            if layers > s.layers or heads != s.kv_heads or dim != s.head_dim or dtype != s.dtype:
+                self.disk.close()
+                raise ValueError(
+                    f"{self.config.disk_dir}: the records of {', '.join(map(repr, sorted(docs)[:5]))} "
+                    f"are {layers} layers x {heads} KV heads x head_dim {dim}, {dtype}, which do not "
+                    f"fit KVShape(layers={s.layers}, kv_heads={s.kv_heads}, head_dim={s.head_dim}, "
+                    f"dtype={s.dtype}): open it with the shape it was written with, or use another "
+                    "directory")
 
     def _check_codec(self, codec: str | None) -> None:
         if codec is None:
