@@ -52,6 +52,7 @@ from bench.quality import (BUDGETS, continuation_case, reference_log_probs, teac
                            top1_agreement)
 from tierkv import SelectConfig, load_model
 from tierkv.config import ChunkConfig
+from tierkv.hf.model import cache_kwargs
 from tierkv.hf.profile import load_profile
 from tierkv.policies.omnikv import DEFAULT_FILTERS
 
@@ -196,7 +197,7 @@ def main(argv=None) -> dict:
             ctx, cont = continuation_case(tok, context, n_cont, seed=context)  # bench.quality's
             ref = reference_log_probs(model, ctx, cont).argmax(-1)
             cache = DynamicCache()
-            model(ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(ctx, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
             attention.bases = {}
             for name, oracle in ORACLES.items():
                 for budget in BUDGETS:

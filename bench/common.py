@@ -48,7 +48,7 @@ def real_kv(tokens: int, seed: int = 0, model_name: str = "smollm2-135m"):
     """
     from transformers import DynamicCache
 
-    from tierkv.hf.model import load_model
+    from tierkv.hf.model import cache_kwargs, load_model
     from tierkv.textgen import make_document, passkey_fact
 
     model, tok = load_model(model_name)
@@ -61,7 +61,7 @@ def real_kv(tokens: int, seed: int = 0, model_name: str = "smollm2-135m"):
         for layer in model.model.layers]
     try:
         with torch.no_grad():
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, **cache_kwargs(model, cache), use_cache=True)
     finally:
         for h in hooks:
             h.remove()

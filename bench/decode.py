@@ -61,6 +61,7 @@ from bench.common import (bench_device, divergence, document_ids, drop_page_cach
                           result_path, sync, write_result)
 from tierkv import SelectConfig, TierConfig, TieredCache, TierFullError, load_model
 from tierkv.config import ChunkConfig
+from tierkv.hf.model import cache_kwargs
 from tierkv.shapes import KVShape
 
 SPARSE = ("quest", "leoam", "omnikv", "h2o", "razor", "tierkv")
@@ -86,7 +87,7 @@ def run_decode(model, cache, ids: torch.Tensor, ref: torch.Tensor | None, steps:
     (steps + 1, vocab), in fp32 on the CPU; seconds per decode step (steps,)). With
     ``--profile``, the steps of a ``label``led run are profiled."""
     fed = None if ref is None else ref.argmax(-1).to(ids.device)
-    logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    logits = model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits
     out = [log_probs(logits)]
     if on_prefill is not None:
         on_prefill()
@@ -105,7 +106,7 @@ def timed_step(model, cache, token: torch.Tensor):
     both sides."""
     sync(token.device)
     t0 = time.perf_counter()
-    logits = model(token.view(1, 1), past_key_values=cache, use_cache=True).logits
+    logits = model(token.view(1, 1), **cache_kwargs(model, cache), use_cache=True).logits
     sync(token.device)
     return logits, time.perf_counter() - t0
 
@@ -189,7 +190,7 @@ def alternate(runs, ids, fed, steps: int, block: int) -> dict:
     than the blocks after it (2026-11-27), and always putting one run there would charge that
     to it alone."""
     for _, net, cache in runs:
-        net(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        net(ids, **cache_kwargs(net, cache), use_cache=True, logits_to_keep=1)
         if isinstance(cache, TieredCache):
             drop_disk(cache)
     seconds = {name: [] for name, _, _ in runs}

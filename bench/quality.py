@@ -45,6 +45,7 @@ from transformers import DynamicCache
 
 from bench.common import bench_device, divergence, document_ids, log_probs, sync, write_result
 from tierkv import SelectConfig, TierConfig, TieredCache, load_model
+from tierkv.hf.model import cache_kwargs
 from tierkv.shapes import KVShape
 from tierkv.textgen import passkey_prompt
 
@@ -127,7 +128,7 @@ class Prefills:
         if path is None:
             try:
                 if kind is not None or not tail:
-                    self.model(ids[:, :n - tail], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    self.model(ids[:, :n - tail], **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)
                 if kind is not None:
                     self.saved[(name, kind)] = cache.save(self.root / str(len(self.saved)))
             except BaseException:
@@ -151,7 +152,7 @@ def reference_log_probs(model, ctx: torch.Tensor, cont: torch.Tensor) -> torch.T
     """Full attention's next-token log-probabilities after each continuation token, shape
     (n, vocab), fp32 on the CPU."""
     ids = torch.cat([ctx, cont.view(1, -1)], dim=1)
-    logits = model(ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=cont.numel()).logits
+    logits = model(ids, **cache_kwargs(model, DynamicCache()), use_cache=True, logits_to_keep=cont.numel()).logits
     return logits[0].float().log_softmax(-1).cpu()
 
 
@@ -174,7 +175,7 @@ def teacher_forced(model, cache, cont: torch.Tensor):
         for token in cont:
             sync(cont.device)
             t0 = time.perf_counter()
-            logits = model(token.view(1, 1), past_key_values=cache, use_cache=True).logits
+            logits = model(token.view(1, 1), **cache_kwargs(model, cache), use_cache=True).logits
             sync(cont.device)
             seconds += time.perf_counter() - t0
             out.append(log_probs(logits))
@@ -192,7 +193,7 @@ def passkey_run(model, tok, cases, policy: str, budget: float, prefills: Prefill
     outputs = []
     for i, (ids, _) in enumerate(cases):
         with prefills.cache(policy, f"passkey{i}", ids, budget, PASSKEY_TAIL) as cache, decode_threads():
-            out = model.generate(ids, max_new_tokens=PASSKEY_NEW, do_sample=False, past_key_values=cache)
+            out = model.generate(ids, max_new_tokens=PASSKEY_NEW, do_sample=False, **cache_kwargs(model, cache))
         outputs.append(tok.decode(out[0, ids.shape[1]:]))
     return passkey_accuracy(outputs, [answer for _, answer in cases])
 
@@ -232,7 +233,7 @@ def warm_up(model, tok) -> None:
     ctx, cont = continuation_case(tok, 256, 4, seed=999)
     reference_log_probs(model, ctx, cont)
     with open_cache(model, "tierkv", 256, 0.25) as cache:
-        model(ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(ctx, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         teacher_forced(model, cache, cont)
 
 

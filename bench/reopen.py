@@ -27,6 +27,7 @@ import torch
 
 from bench.common import bench_device, drop_page_cache, write_result
 from tierkv import TierConfig, TieredCache, load_model
+from tierkv.hf.model import cache_kwargs
 from tierkv.shapes import KVShape
 from tierkv.textgen import document_text, make_document, passkey_fact, question_text
 
@@ -52,7 +53,7 @@ def tier_config(model, tokens: int, disk_dir: Path) -> TierConfig:
 def first_token(model, cache, ids: torch.Tensor) -> int:
     ids = ids.to(bench_device())
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache),
                              max_new_tokens=1, do_sample=False)
     return int(out[0, -1])
 
@@ -64,7 +65,7 @@ def save_document(tokens: int, work: Path) -> dict:
     t0 = time.perf_counter()
     with TieredCache(model, tier_config(model, doc.shape[1], work / "disk")) as cache:
         with torch.no_grad():
-            model(doc.to(bench_device()), past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(doc.to(bench_device()), **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         t1 = time.perf_counter()
         cache.save(work / "saved")
     return {"document_tokens": doc.shape[1], "first_prefill_s": t1 - t0,

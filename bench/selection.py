@@ -38,6 +38,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from bench.common import RESULTS, attention_installed, write_result  # noqa: E402
 from tierkv.config import ChunkConfig, SelectConfig  # noqa: E402
+from tierkv.hf.model import cache_kwargs  # noqa: E402
 from tierkv.select import (adaptation_mass, adaptation_scores, leaf_costs,  # noqa: E402
                            query_keys, select_by_bound, select_by_query, select_by_scores)
 from tierkv.tree import ChunkTree  # noqa: E402
@@ -86,9 +87,9 @@ def run_document(model, tok, tokens: int, seed: int, steps: int):
 
     cache = DynamicCache()
     with torch.no_grad(), capture_attention(model, record):
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, **cache_kwargs(model, cache), use_cache=True)
         for _ in range(steps):
-            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+            out = model(out.logits[:, -1:].argmax(-1), **cache_kwargs(model, cache), use_cache=True)
     layers = len(cache.layers)
     keys = [layer.keys[0].float() for layer in cache.layers]
     queries = torch.stack(decode).view(steps, layers, *decode[0].shape)

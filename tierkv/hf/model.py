@@ -129,8 +129,8 @@ def load_model(name_or_path, dtype: torch.dtype = torch.float32, device: str | N
 def cache_kwargs(model, cache) -> dict:
     """``{name: cache}`` under the keyword the installed transformers' ``forward`` and
     ``generate`` take a cache by: ``cache`` from 5.24 on (where ``past_key_values`` is deprecated
-    and warns), ``past_key_values`` before."""
-    takes = inspect.signature(model.forward).parameters
+    and warns), ``past_key_values`` before. ``model`` may be any callable taking one of the two."""
+    takes = inspect.signature(getattr(model, "forward", model)).parameters
     return {"cache" if "cache" in takes else "past_key_values": cache}
 
 
