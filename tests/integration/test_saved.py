@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from tierkv import ChunkConfig, DocInUseError, RecordKey, StorageError, TierConfig, TieredCache
+from tierkv import ChunkConfig, DocInUseError, KVBlock, RecordKey, StorageError, TierConfig, TieredCache
 from tierkv.hf import admit
 from tierkv.hf.model import load_model
 from tierkv.storage import DiskTier
@@ -105,8 +105,13 @@ def test_a_new_cache_never_writes_over_a_saved_document(model_and_tok, tmp_path)
         assert cache.doc != "doc0"
         model(other, past_key_values=cache, use_cache=True)  # its records all go to disk
         unsaved = cache.doc
-    with pytest.raises(ValueError, match=f"records of document '{unsaved}', never saved"):
-        TieredCache(model, config, "full", doc=unsaved)
+        assert unsaved in cache.store.disk.docs()
+    with DiskTier(tmp_path / "saved") as disk:  # closed unsaved: no reopening would reach them
+        assert unsaved not in disk.docs() and "doc0" in disk.saved_docs()
+        key = RecordKey("crashed", 0, 0, 4)  # what a run that crashed before saving leaves
+        disk.put(key, KVBlock(torch.zeros(1, 3, 4, 64), torch.zeros(1, 3, 4, 64)))
+    with pytest.raises(ValueError, match="records of document 'crashed', never saved"):
+        TieredCache(model, config, "full", doc="crashed")
     with TieredCache.open(model, tmp_path / "saved", doc="doc0") as reopened:
         assert torch.equal(reopened.token_ids, ids)
         assert reopened.get_seq_length() == ids.shape[1]

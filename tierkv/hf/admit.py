@@ -96,6 +96,20 @@ def check_args(model, config, select, chunks, prefill_block, doc) -> None:
                          "transformers' AttentionInterface, which a TieredCache takes over: "
                          "it serves decoder-only models that do (Llama, Qwen2, Mistral families)")
     text = text_config(model.config)
+    attention = [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "layer_idx")
+                 and getattr(m, "config", text) is text]  # the text model's (not a vision tower's)
+    if attention and len(attention) != text.num_hidden_layers:
+        raise ValueError(f"{type(model).__name__} has {len(attention)} attention layers but its "
+                         f"config says num_hidden_layers={text.num_hidden_layers} (layers removed "
+                         "without the config?): the cache keeps one entry per configured layer")
+    if getattr(text, "is_encoder_decoder", False) or any(not m.is_causal for m in attention):
+        raise ValueError(f"{type(model).__name__} attends both ways (not causal), which a "
+                         "TieredCache's attention does not: it serves decoder-only models "
+                         "(Llama, Qwen2, Mistral families)")
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in attention):
+        raise ValueError(f"{type(model).__name__} adds learned attention sinks to its softmax, "
+                         "which a TieredCache's attention does not: it serves Llama, Qwen2 and "
+                         "Mistral families")
     if getattr(text, "attn_logit_softcapping", None):
         raise ValueError(f"{type(model).__name__} caps its attention logits "
                          f"(attn_logit_softcapping={text.attn_logit_softcapping}), which a "
@@ -130,6 +144,9 @@ def check_forward(held: int, window: int | None, args, kwargs) -> int | None:
     new = kwargs.get("input_ids", args[0] if args else None)
     if new is None:
         new = kwargs.get("inputs_embeds")
+    if isinstance(new, torch.Tensor) and new.dim() >= 2 and new.shape[0] != 1:
+        raise ValueError(f"batch size {new.shape[0]}: a TieredCache holds one sequence (beam "
+                         "search, num_return_sequences > 1 and batches need one cache each)")
     count = new.shape[1] if isinstance(new, torch.Tensor) and new.dim() >= 2 else None
     tokens = held + (count or 0)
     if window is not None and tokens > window:

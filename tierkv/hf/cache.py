@@ -135,6 +135,7 @@ class TieredCache(GroupFetches, Cache):
         self.store = KVStore(self.shape, config, controller)
         try:
             self.doc = claim_doc(self.store.disk, doc, _resume)
+            self._new_doc = not _resume  # claimed unheld and absent: every record of it is ours
             self._build(config, controller)
             self._install(model)
         except BaseException:
@@ -167,6 +168,8 @@ class TieredCache(GroupFetches, Cache):
         self._held_positions = None  # (fetched positions, (sealed, window), attended positions)
         self._in_forward = False  # a forward pass has begun and its last layer not yet attended
         self._failed: str | None = None  # what broke a forward pass part-way, if anything did
+        self._start = (0, 0)  # the ids and tokens held when the last forward pass began
+        self._thread: int | None = None  # the thread that began it
         self.steps = 0  # decode steps so far: the importance of what a step reads or seals
         self._pinned: set[int] = set()  # groups whose records were sealed or read as PINNED
         self.token_ids = torch.zeros(1, 0, dtype=torch.long)
@@ -190,6 +193,11 @@ class TieredCache(GroupFetches, Cache):
     # -- transformers' side ------------------------------------------------------------
     def append(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
         """Append new K/V, shape (1, kv_heads, t, head_dim), to ``layer``'s recent window."""
+        if not self._in_forward:  # keys from a model whose forward pass this cache did not see
+            raise RuntimeError(
+                "this TieredCache is closed: make a new one" if self._model is None else
+                f"this TieredCache serves the {type(self._model).__name__} it was made with; a "
+                "forward pass of another model cannot go through it (make a cache for that model)")
         if key_states.shape[0] != 1:
             raise ValueError(f"TieredCache holds one sequence; got batch size {key_states.shape[0]}")
         self._window.append(layer, key_states[0], value_states[0])
@@ -422,15 +430,17 @@ class TieredCache(GroupFetches, Cache):
 
     @classmethod
     def open(cls, model, path, config: TierConfig | None = None, policy: str | None = None,
-             doc: str | None = None, select: SelectConfig | None = None) -> "TieredCache":
-        """Reopen a saved document for ``model`` (checked to be the model that saved it).
+             doc: str | None = None, select: SelectConfig | None = None,
+             profile: dict | None = None) -> "TieredCache":
+        """Reopen a saved document for ``model`` (checked to be the model that saved it), with
+        the policy, selection and profile it was saved with unless given.
 
         The next ``generate`` continues the saved sequence: pass ``cache.token_ids`` followed by
         the new tokens as its input ids.
         """
         from .persist import open_cache
 
-        return open_cache(cls, model, path, config, policy, doc, select)
+        return open_cache(cls, model, path, config, policy, doc, select, profile)
 
     def close(self) -> None:
         """Give the model back its own attention and release the tiers (idempotent)."""
@@ -442,9 +452,12 @@ class TieredCache(GroupFetches, Cache):
         self._kept.clear()
         self.pipeline.close()
         disk = self.store.disk
-        try:  # records written since the saved state, which stays as it was saved; their space
-            if self.snapshot is not None and disk is not None:  # back (each reopen grew the file)
-                if disk.remove_many([k for k in disk.keys() if k.doc == self.doc and k not in self.snapshot]):
+        try:  # records written since the saved state, which stays as it was saved, or all of a
+            # new document never saved here (no reopening reaches them); their space back
+            unsaved = self._new_doc and disk is not None and self.doc not in disk.saved_docs()
+            if disk is not None and (self.snapshot is not None or unsaved):
+                keep = self.snapshot or ()
+                if disk.remove_many([k for k in disk.keys() if k.doc == self.doc and k not in keep]):
                     disk.reclaim()
         finally:
             self.store.close()

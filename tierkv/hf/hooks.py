@@ -4,6 +4,7 @@ token ids, the checks before a forward pass), a forward hook (the threads of a d
 back) and ``GenerateGuard``; a weak reference on the model names its live cache."""
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -63,6 +64,13 @@ def begin_forward(cache, args, kwargs) -> None:
     2.5 and 1.3 ms faster (of 83-103), mean steps 2.8 and 1.0 faster and 0.9 slower. Within the
     noise; not kept."""
     check_whole(cache)
+    passed = kwargs.get("cache")
+    passed = kwargs.get("past_key_values") if passed is None else passed
+    if passed is not cache:
+        given = "no cache" if passed is None else f"a {type(passed).__name__}"
+        raise ValueError(f"this model's attention goes through a TieredCache until it is closed, "
+                         f"but its forward pass was given {given}: pass cache=cache "
+                         "(past_key_values=), or close() the cache first")
     new = check_forward(cache.get_seq_length(), cache.sliding_window, args, kwargs)
     threads = cache.decode_threads if new == 1 else None
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
@@ -70,6 +78,8 @@ def begin_forward(cache, args, kwargs) -> None:
         raise ValueError(f"TieredCache.decode_threads={threads!r}: expected a positive int, or "
                          "None to leave torch's threads as they are")
     cache._in_forward = True
+    cache._start = cache.token_ids.shape[1], cache.get_seq_length()
+    cache._thread = threading.get_ident()
     cache._before = (torch.get_num_threads() if threads is not None else None,
                      torch.is_grad_enabled())
     if threads is not None:
@@ -81,8 +91,13 @@ def check_whole(cache, doing: str = "go on") -> None:
     """RuntimeError when a forward pass through ``cache`` failed part-way (an error, a full
     disk, Ctrl-C): some layers then hold the step and others not, and nothing it computes is
     right."""
+    if cache._failed is None and cache._in_forward and cache._thread == threading.get_ident():
+        untouched(cache)  # e.g. Ctrl-C, which skips ``end_forward``, before any layer ran
     if cache._failed is None and not cache._in_forward:
         return
+    if cache._failed is None and cache._thread != threading.get_ident():
+        raise RuntimeError(f"this TieredCache cannot {doing}: a forward pass in another thread "
+                           "is using it (a cache serves one forward pass at a time)")
     cause = cache._failed or "interrupted outside the attention (e.g. KeyboardInterrupt)"
     raise RuntimeError(f"this TieredCache cannot {doing}: a forward pass failed part-way "
                        f"({cause}), so its layers hold different lengths; close() it (a saved "
@@ -95,12 +110,25 @@ def end_forward(cache) -> None:
     forward pass ended or raised."""
     before, cache._before = cache._before, None
     restore_threads()  # the cache's threads may have started since: their count is theirs
+    if cache._in_forward and cache._failed is None:
+        untouched(cache)
     if before is None:
         return
     threads, grad = before
     if threads is not None:
         torch.set_num_threads(threads)
     torch.set_grad_enabled(grad)
+
+
+def untouched(cache) -> None:
+    """After a forward pass that stopped before its last layer attended: when no layer took
+    its keys (refused or interrupted before the first layer, e.g. by a check of transformers'),
+    the cache is whole: the ids recorded for the pass are dropped and it may go on."""
+    ids, held = cache._start
+    if all(cache.layer_length(layer) == held and not cache._fresh[layer]
+           for layer in range(cache.shape.layers)):
+        cache.token_ids = cache.token_ids[:, :ids]
+        cache._in_forward = False
 
 
 def record_ids(cache, args) -> None:

@@ -112,13 +112,20 @@ def load_model(name_or_path, dtype: torch.dtype = torch.float32, device: str | N
     _check_device(device)
     path = resolve(name_or_path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                           output_loading_info=True)
+        missing = sorted(info.get("missing_keys") or ())
+        if not missing:
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except SafetensorError as exc:
         raise ModelLoadError(f"model {str(name_or_path)!r}: {_damaged_weights(path)}: damaged or "
                              f"truncated weights ({exc})") from exc
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"model {str(name_or_path)!r}: {exc}") from exc
+    if missing:  # transformers would start them from random values, and only print a report
+        raise ModelLoadError(f"model {str(name_or_path)!r}: {path} lacks {len(missing)} weights the "
+                             f"{type(model).__name__} needs, e.g. {missing[0]}: an incomplete "
+                             "or foreign checkpoint")
     if device is not None:
         model.to(device)
     model.eval()

@@ -7,6 +7,7 @@ chunk indexes, the unsealed recent windows and the token ids of the cached seque
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import zlib
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..config import ChunkConfig, SelectConfig, TierConfig
-from ..shapes import text_config
+from ..shapes import KVShape, text_config
 from ..storage.disk import DiskTier
 from ..storage.manifest import MANIFEST_ASIDE
 from .hooks import check_whole
@@ -29,9 +30,26 @@ def model_identity(model) -> dict:
     cfg = text_config(model.config)
     weight = model.get_input_embeddings().weight
     sample = weight[: min(16, weight.shape[0])].detach().float().cpu().contiguous()
+    weights = 0  # the first values of every weight: a fine-tune that left the embeddings alone
+    for name, param in model.named_parameters():
+        first = param.detach().reshape(-1)[:16].float().cpu().contiguous()
+        weights = zlib.crc32(first.numpy().tobytes(), zlib.crc32(name.encode(), weights))
+    shape = KVShape.from_config(model.config, dtype=weight.dtype)
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
     return {"id": model_id(model), "layers": cfg.num_hidden_layers, "vocab": cfg.vocab_size,
             "hidden": cfg.hidden_size, "kv_heads": getattr(cfg, "num_key_value_heads", None),
-            "dtype": str(weight.dtype), "fingerprint": zlib.crc32(sample.numpy().tobytes())}
+            "dtype": str(weight.dtype), "fingerprint": zlib.crc32(sample.numpy().tobytes()),
+            "q_heads": shape.q_heads, "head_dim": shape.head_dim, "weights": weights,
+            "rope": json.dumps({"parameters": rope, "theta": getattr(cfg, "rope_theta", None)},
+                               sort_keys=True, default=str)}
+
+
+def differing(saved, here: dict) -> list[str]:
+    """The keys of model identity ``here`` whose value ``saved`` (a document's) differs in; a
+    save made before a key was added to ``model_identity`` is compared on the keys it has."""
+    if not isinstance(saved, dict):
+        return list(here)
+    return [k for k in here if k in saved and saved[k] != here[k]]
 
 
 def save(cache, path) -> Path:
@@ -89,7 +107,7 @@ def _check_replaceable(disk: DiskTier, cache) -> None:
                          "remove them first (DiskTier.delete_doc)")
     saved = disk.doc_meta(doc)[1].get("token_ids")
     mine = cache.token_ids[0]
-    earlier = meta.get("model") == model_identity(cache._model) and saved is not None and \
+    earlier = not differing(meta.get("model"), model_identity(cache._model)) and saved is not None and \
         saved.numel() <= mine.numel() and torch.equal(mine[:saved.numel()], saved.long())
     if not earlier:
         raise ValueError(f"{disk.path} already holds another document {doc!r} (not an earlier "
@@ -101,7 +119,7 @@ def _meta(cache) -> dict:
     return {"format": FORMAT_VERSION, "model": model_identity(cache._model),
             "policy": cache.policy.name, "tokens": cache.get_seq_length(),
             "select": dataclasses.asdict(cache.select), "chunks": dataclasses.asdict(cache.chunks),
-            "groups": [list(g) for g in cache.groups]}
+            "groups": [list(g) for g in cache.groups], "profile": cache.profile}
 
 
 def _arrays(cache) -> dict[str, torch.Tensor]:
@@ -176,22 +194,27 @@ def _meta_or_empty(disk: DiskTier, doc: str) -> dict:
 
 
 def open_cache(cls, model, path, config: TierConfig | None = None, policy: str | None = None,
-               doc: str | None = None, select: SelectConfig | None = None):
-    """Reopen a saved document as a ``cls`` (TieredCache) bound to ``model``; ``policy`` and
-    ``select`` replace the saved ones when given (the policy must group layers alike)."""
+               doc: str | None = None, select: SelectConfig | None = None,
+               profile: dict | None = None):
+    """Reopen a saved document as a ``cls`` (TieredCache) bound to ``model``; ``policy``,
+    ``select`` and ``profile`` replace the saved ones when given (the policy must group layers
+    alike). A document saved before profiles were saved takes the model's shipped one."""
     if config is not None and not isinstance(config, TierConfig):
         raise ValueError(f"config={type(config).__name__}: expected a TierConfig (or None)")
     doc, meta, arrays = read_meta(path, doc)
     saved, here = meta["model"], model_identity(model)
-    if saved != here:
-        diff = ", ".join(f"{k}: saved {saved.get(k)!r} vs {here.get(k)!r}" for k in here if saved.get(k) != here[k])
+    differ = differing(saved, here)
+    if differ:
+        diff = ", ".join(f"{k}: saved {saved[k]!r} vs {here[k]!r}" for k in differ)
         raise ValueError(f"{path} was saved with another model ({diff})")
     config = config or TierConfig(disk_dir=path)
     if config.disk_dir is None or Path(config.disk_dir).resolve() != Path(path).resolve():
         config = dataclasses.replace(config, disk_dir=Path(path))
     select = select or _config(SelectConfig, meta["select"])
+    profile = meta.get("profile") if profile is None else profile
     cache = cls(model, config, policy or meta["policy"], select=select,
-                chunks=_config(ChunkConfig, meta["chunks"]), doc=doc, _resume=True)
+                chunks=_config(ChunkConfig, meta["chunks"]), doc=doc, profile=profile,
+                _resume=True)
     try:
         _check_unchanged(cache, meta, arrays)
         _restore(cache, meta, arrays)
@@ -233,13 +256,15 @@ def _config(kind, values: dict):
 def _restore(cache, meta: dict, arrays: dict) -> None:
     if [list(g) for g in cache.groups] != meta["groups"]:
         raise ValueError(f"policy {cache.policy.name!r} groups layers differently from the saved "
-                         f"{meta['policy']!r}: reopen with the saved policy")
+                         f"{meta['policy']!r} (layer groups {[list(g) for g in cache.groups]} "
+                         f"against {meta['groups']}): reopen with the saved policy and profile")
+    missing = []
     for g, index in enumerate(cache.indexes):
         prefix = f"g{g}."
         index.load_state({k[len(prefix):]: t for k, t in arrays.items() if k.startswith(prefix)})
-        missing = [k for k in index.keys if cache.store.where(k) is None]
-        if missing:
-            raise ValueError(f"saved document {cache.doc!r} lacks {len(missing)} records, e.g. {missing[0]}")
+        missing += [k for k in index.keys if cache.store.where(k) is None]
+    if missing:
+        raise ValueError(f"saved document {cache.doc!r} lacks {len(missing)} records, e.g. {missing[0]}")
     for layer in range(cache.shape.layers):
         k, v = arrays[f"l{layer}.wk"], arrays[f"l{layer}.wv"]
         cache._window[layer] = (k.to(cache.device, cache.shape.dtype), v.to(cache.device, cache.shape.dtype))

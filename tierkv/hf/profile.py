@@ -61,7 +61,24 @@ def check_profile(profile, layers: int, kv_heads: int, source: str = "profile=",
 
 
 def save_profile(profile: dict, name: str, directory: Path = PROFILES) -> Path:
+    """Write ``profile`` as ``directory/name.json``; ValueError, nothing written, when the name
+    would leave the directory or the profile is not one (JSON without NaN; filter layers and
+    retrieval heads of the right form, checked against a model when it loads)."""
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or \
+            name.startswith(".") or "\x00" in name:
+        raise ValueError(f"profile name {name!r}: expected a file name (no path, not hidden)")
+    if not isinstance(profile, dict):
+        raise ValueError(f"profile={type(profile).__name__}: expected a dict")
+    if "filter_layers" in profile:
+        filter_layers_of(profile["filter_layers"], 1 << 16, "profile filter_layers")
+    if "retrieval_heads" in profile:
+        retrieval_heads_of(profile["retrieval_heads"], 1 << 16, "profile retrieval_heads")
+    try:
+        text = json.dumps(profile, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"profile {name!r} is not JSON without NaN or inf: {exc}") from None
+    directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.json"
-    path.write_text(json.dumps(profile, indent=2, sort_keys=True) + "\n")
+    path.write_text(text)
     return path
