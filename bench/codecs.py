@@ -100,6 +100,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="512 tokens, 32 MiB native buffers")
     parser.add_argument("--tokens", type=int, default=2048)
     args = parser.parse_args()
+    if args.tokens < 16:
+        parser.error(f"--tokens {args.tokens}: at least 16 (a generated document's shortest)")
     torch.manual_seed(0)
     tokens = 512 if args.quick else args.tokens
     keys, values = real_kv(tokens)[:2]

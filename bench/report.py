@@ -8,6 +8,7 @@ missing is skipped; one without a renderer is listed by name.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -264,7 +265,18 @@ def describe(m: dict) -> str:
 
 
 def load(results_dir: Path) -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted(results_dir.glob("*.json"))}
+    """Every ``*.json`` of ``results_dir`` by name; ValueError naming a file that is not a JSON
+    object."""
+    results = {}
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            results[path.stem] = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: not JSON ({exc}); rerun its benchmark or remove it") from None
+        if not isinstance(results[path.stem], dict):
+            raise ValueError(f"{path}: a JSON {type(results[path.stem]).__name__}, not the object a "
+                             "benchmark writes; rerun its benchmark or remove it")
+    return results
 
 
 def update_readme(readme: Path, table: str) -> None:
@@ -276,8 +288,14 @@ def update_readme(readme: Path, table: str) -> None:
     readme.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
 
 
-def main() -> None:
-    table = render(load(HERE / "results"))
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="Regenerate the results table of bench/README.md "
+                                     "from bench/results/*.json (and print it).")
+    parser.parse_args(argv)
+    try:
+        table = render(load(HERE / "results"))
+    except ValueError as exc:
+        parser.exit(2, f"bench.report: {exc}\n")
     update_readme(HERE / "README.md", table)
     sys.stdout.write(table)
 

@@ -82,6 +82,7 @@ SHAPE = KVShape(layers=32, kv_heads=8, head_dim=128, q_heads=32, dtype=torch.flo
 GROUP, CHUNK, SELECT = 4, 64, 0.02
 REF_TOKENS = 65536       # the context at which the budgets are 1 GB / 4 GB
 FIXED_SELECT = int(SELECT * REF_TOKENS) // CHUNK * CHUNK  # 2 % of 64K held fixed: 1,280 tokens
+MIN_TOKENS = 4096
 NEEDLES = 4              # needle chunks per group
 POOL = 64                # distinct random blocks the records cycle through
 DEVICE_BUDGET, HOST_BUDGET = 1e9, 4e9
@@ -446,6 +447,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="16K tokens only, 2 steps")
     parser.add_argument("--tokens", type=int, nargs="+", help="context sizes (default 65536)")
     args = parser.parse_args(argv)
+    for t in args.tokens or ():
+        if t < MIN_TOKENS or t % CHUNK:
+            parser.error(f"--tokens {t}: a context is a multiple of {CHUNK} tokens, at least "
+                         f"{MIN_TOKENS} (its 2 % budget must hold a {CHUNK}-token chunk)")
     setup()
     sizes = args.tokens or ([16384] if args.quick else [65536])
     steps = 2 if args.quick else 4

@@ -265,3 +265,19 @@ def test_recent_query_mass_is_their_causal_softmax_summed(t, queries):
     assert got.shape == (n,) and got.dtype == torch.float32
     assert torch.allclose(got, want, atol=1e-5)
     assert got.sum().item() == pytest.approx(q_heads * min(t, queries), rel=1e-5)
+
+
+def test_degenerate_shapes_refused_by_name():
+    """One query token over keys of at least one kv head and token: anything else is refused
+    naming the shapes (before: the kernel used only the first of several query tokens, and
+    empty heads divided by zero)."""
+    k = v = torch.randn(2, 5, 8)
+    for q in (torch.randn(4, 2, 8), torch.randn(4, 1, 0), torch.randn(0, 1, 8)):
+        with pytest.raises(ValueError, match="decode_attention: q"):
+            decode_attention(q, k, v, 1.0)
+    with pytest.raises(ValueError, match="decode_attention"):
+        decode_attention(torch.randn(4, 1, 8), torch.randn(0, 5, 8), torch.randn(0, 5, 8), 1.0)
+    with pytest.raises(ValueError, match="kv_heads dividing"):
+        DecodeAccumulator(torch.randn(4, 8), 1.0).add(torch.randn(0, 3, 8), torch.randn(0, 3, 8))
+    with pytest.raises(ValueError, match="none empty"):
+        DecodeAccumulator(torch.randn(0, 4, 8), 1.0)

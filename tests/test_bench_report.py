@@ -160,3 +160,12 @@ def test_the_readme_runs_every_benchmark_with_its_options():
     for name in benchmarks():
         quick = " [--quick]" if "--quick" in (BENCH_DIR / f"{name}.py").read_text() else ""
         assert f"| `python -m bench.{name}{quick}" in readme, f"bench.{name} has no row"
+
+
+@pytest.mark.parametrize("text, message", [('{"machine": ', "not JSON"), ("[1, 2]", "a JSON list, not")])
+def test_a_results_file_that_is_no_benchmark_result_is_named(tmp_path, text, message):
+    (tmp_path / "good.json").write_text("{}")
+    (tmp_path / "bad.json").write_text(text)
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'bad.json'}: {message}"):
+        load(tmp_path)
+

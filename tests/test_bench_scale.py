@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from bench.scale import growth
+from bench.scale import growth, main
 
 
 def size(tokens: int, step_s: float, fixed_s: float) -> dict:
@@ -24,3 +24,12 @@ def test_growth_between_consecutive_sizes_in_token_order():
 
 def test_growth_needs_two_sizes():
     assert growth({"16384": size(16384, 0.05, 0.1)}) == []
+
+
+@pytest.mark.parametrize("tokens", ["0", "100", "-4096", "5000"])
+def test_sizes_checked_before_any_work(tokens, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--tokens", tokens])
+    assert exit_.value.code == 2
+    assert f"--tokens {tokens}: a context is a multiple of 64 tokens" in capsys.readouterr().err
+

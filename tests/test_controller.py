@@ -290,3 +290,20 @@ def test_store_rejects_bad_controllers_and_inputs(tmp_path, make_block):
         with pytest.raises(ValueError, match="lossy"):
             store.put(_key(0), make_block(_key(0)), codec="int8")
         assert store.where(_key(0)) is None
+
+
+def test_calibration_repeats_and_throttle_bandwidth_checked():
+    """``repeat=0`` measured nothing and left decode speeds of 0 that failed every later
+    disk write; a NaN bandwidth did not throttle at all."""
+    block = KVBlock(torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8))
+    ctl = CompressionController(disk_bw=1e9)
+    for repeat in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="repeat=.*positive integer"):
+            ctl.calibrate(block, repeat=repeat)
+    ctl.choose_for(block)  # still usable
+    for bw in (float("nan"), float("inf"), 0):
+        with pytest.raises(ValueError, match="bandwidth"):
+            ThrottledDisk(object(), bw)
+    import copy
+    throttled = ThrottledDisk(object(), 1e6)
+    assert copy.copy(throttled).bandwidth == 1e6  # no recursion through __getattr__

@@ -127,6 +127,12 @@ def assert_identical(block, reference):
 
 
 # -- plans ----------------------------------------------------------------------------------
+def test_plan_refuses_a_nan_importance():
+    key = RecordKey("d", 0, 0, 4)
+    with pytest.raises(ValueError, match="group 0: an importance is NaN"):
+        FetchPlan([(0, [key])], importance={key: float("nan")})
+
+
 def test_plan_dedupes_keeping_order():
     a, b = RecordKey("d", 0, 0, 4), RecordKey("d", 0, 4, 8)
     plan = FetchPlan([(0, [b, a, b, a])], importance={a: 2.0})

@@ -110,6 +110,30 @@ def test_records_window_and_query_that_do_not_match_are_refused():
                           (*window(torch.float32), torch.randn(8, 1, 64))]:
         with pytest.raises(ValueError, match="do not match"):
             attend_parts(query, LayerParts(table, 0, wk, wv), 0.1)
+    wk, wv = window(torch.float32)
+    for bad_v, query in [(wv[:, :2], q), (wv.half(), q), (wv, torch.randn(9, 2, 64))]:
+        with pytest.raises(ValueError, match="do not match"):  # the kernel would read past them
+            attend_parts(query, LayerParts(table, 0, wk, bad_v), 0.1)
+    for slot in (3, 100_000_000, -1):  # three layers: no other slot lies in the records
+        with pytest.raises(ValueError, match=f"layer slot {slot} of records of 3 layers"):
+            attend_parts(q, LayerParts(table, slot, wk, wv), 0.1)
+
+
+def test_parts_unlike_the_first_and_kept_tokens_past_the_parts_are_refused():
+    """The kernel reads every part with the first one's shape and dtype, and ``keep`` as
+    offsets into them: anything else would be read out of bounds."""
+    g = torch.Generator().manual_seed(0)
+    part = lambda heads=3, n=8, dtype=torch.float32, vn=None: KVBlock(
+        torch.randn(2, heads, n, 16, generator=g).to(dtype),
+        torch.randn(2, heads, n if vn is None else vn, 16, generator=g).to(dtype))
+    for odd in (part(heads=2), part(dtype=torch.float16), part(vn=7)):
+        with pytest.raises(ValueError, match="parts must all be 2 layers x 3 kv heads x head_dim 16"):
+            scatter([part(), odd])
+    block = scatter([part(), part(n=7)])
+    for keep in (torch.tensor([0, 1, 15]), torch.tensor([-1, 2])):
+        with pytest.raises(ValueError, match="outside the 15 tokens of the parts"):
+            group_table(block, keep)
+    assert group_table(block, torch.tensor([0, 14])).tokens == 2
 
 
 def test_a_delivery_counts_its_parts_tokens_and_bytes_once():

@@ -132,6 +132,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     q : Tensor, shape (q_heads, 1, head_dim); k, v : Tensor, shape (kv_heads, n, head_dim).
     Returns Tensor, shape (q_heads, 1, head_dim).
     """
+    if q.dim() != 3 or q.shape[1] != 1 or 0 in q.shape or k.dim() != 3 or k.shape[0] < 1:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} and keys {tuple(k.shape)}: expected "
+                         "(q_heads, 1, head_dim) and (kv_heads, n, head_dim), none empty")
     if q.is_cpu and k.shape[1] and _kernel_takes(q.shape[0], k, v):
         acc = DecodeAccumulator(q[:, 0], scaling, native=True)
         acc.add(k, v)
@@ -192,8 +195,8 @@ class DecodeAccumulator:
         if native and kernels.decode_attend is None:
             raise ValueError("native=True: tierkv._native's kernels are not built (reinstall "
                              "tierkv with a C compiler) or this CPU lacks AVX2, FMA or F16C")
-        if q.dim() < 2:
-            raise ValueError(f"q {tuple(q.shape)}: expected (..., q_heads, head_dim)")
+        if q.dim() < 2 or 0 in q.shape:
+            raise ValueError(f"q {tuple(q.shape)}: expected (..., q_heads, head_dim), none empty")
         self._q = (q.float() * scaling).contiguous()
         # the running state lives on q's device: the kernel takes it where that is the CPU
         self._native = (native is not False and kernels.decode_attend is not None
@@ -233,7 +236,7 @@ class DecodeAccumulator:
             raise ValueError(f"keys {tuple(k.shape)}: expected (*{tuple(lead)}, kv_heads, n, {dim}) "
                              f"for q {tuple(self._q.shape)}")
         kv_heads, n = k.shape[-3], k.shape[-2]
-        if n < 1 or q_heads % kv_heads:
+        if n < 1 or kv_heads < 1 or q_heads % kv_heads:
             raise ValueError(f"keys {tuple(k.shape)}: need n >= 1 and kv_heads dividing "
                              f"q_heads={q_heads}")
         if v.shape[:-1] != k.shape[:-1]:

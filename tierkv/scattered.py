@@ -82,15 +82,20 @@ def scattered(parts) -> Scattered:
     parts = tuple(parts)
     if not parts:
         raise ValueError("scattered: no parts")
-    rows = [(k.data_ptr(), v.data_ptr(), k.shape[2], k.is_contiguous() and v.is_contiguous())
-            for k, v in parts]
+    dtype = parts[0].keys.dtype
+    rows = [(k.data_ptr(), v.data_ptr(), k.shape[2], k.is_contiguous() and v.is_contiguous(),
+             k.numel(), v.numel(), k.dtype is dtype and v.dtype is dtype) for k, v in parts]
     if not all(row[3] for row in rows):
         parts = tuple(p if row[3] else KVBlock(p.keys.contiguous(), p.values.contiguous())
                       for p, row in zip(parts, rows))
-        rows = [(k.data_ptr(), v.data_ptr(), k.shape[2], True) for k, v in parts]
+        rows = [(k.data_ptr(), v.data_ptr()) + row[2:] for (k, v), row in zip(parts, rows)]
     layers, heads, _, dim = parts[0].keys.shape
     at = torch.tensor(rows, dtype=torch.long)
     lengths = at[:, 2]
+    if not bool(((at[:, 4] == lengths * (layers * heads * dim)) & (at[:, 5] == at[:, 4])
+                 & (at[:, 6] == 1)).all()):  # the kernel reads every part as the first
+        raise ValueError(f"scattered: parts must all be {layers} layers x {heads} kv heads x "
+                         f"head_dim {dim}, {dtype}, keys and values alike")
     row_bytes = dim * parts[0].keys.element_size()
     table = torch.empty(len(rows), FIELDS, dtype=torch.long)
     table[:, :2] = at[:, :2]
@@ -126,6 +131,9 @@ def group_table(block: Scattered, keep: torch.Tensor | None) -> GroupTable:
     parts, table = block.parts, block.table
     if keep is None:
         return GroupTable(table, block.tokens, parts, None)
+    if keep.numel() and (int(keep[0]) < 0 or int(keep[-1]) >= block.tokens):
+        raise ValueError(f"group_table: keep runs from {int(keep[0])} to {int(keep[-1])}, outside "
+                         f"the {block.tokens} tokens of the parts")
     lengths = table[:, 6]
     row_bytes = parts[0].keys.shape[3] * parts[0].keys.element_size()
     starts = torch.cumsum(lengths, 0) - lengths
@@ -198,15 +206,20 @@ def attend_parts(q: torch.Tensor, parts: LayerParts, scaling: float, scored: boo
     k = parts.window_k
     first = parts.group.parts[0].keys
     kv_heads = first.shape[1]
+    v = parts.window_v
     if (first.dtype, kv_heads, first.shape[3]) != (k.dtype, k.shape[0], k.shape[2]) or \
-            k.shape[2] != dim or q_heads % kv_heads:
-        raise ValueError(f"attend_parts: records {tuple(first.shape)} {first.dtype}, window "
-                         f"{tuple(k.shape)} {k.dtype} and query {tuple(q.shape)} do not match")
+            k.shape[2] != dim or q_heads % kv_heads or q.shape[1] != 1 or \
+            v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"attend_parts: records {tuple(first.shape)} {first.dtype}, window keys "
+                         f"{tuple(k.shape)} {k.dtype}, values {tuple(v.shape)} {v.dtype} and query "
+                         f"{tuple(q.shape)} do not match")
+    if not 0 <= parts.slot < first.shape[0]:
+        raise ValueError(f"attend_parts: layer slot {parts.slot} of records of {first.shape[0]} "
+                         "layers")
     g = q_heads // kv_heads
     if q.dtype != torch.float32 or not q.is_contiguous():
         q = q.float().contiguous()
     w = k.shape[1]
-    v = parts.window_v
     if w and (k.stride(-1) != 1 or k.stride(-2) != dim or v.stride(-1) != 1 or v.stride(-2) != dim):
         k, v = k.contiguous(), v.contiguous()
     size = k.element_size()

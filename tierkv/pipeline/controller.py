@@ -112,6 +112,8 @@ class CompressionController:
                   repeat: int = 3, codecs: tuple[str, ...] | None = None) -> None:
         """Seed ratio and decode speed of ``codecs`` (default: every candidate) from ``sample``
         (CPU tensors), encoded with ``config`` (default: the controller's)."""
+        if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+            raise ValueError(f"repeat={repeat!r}: must be a positive integer")
         codecs = self.candidates if codecs is None else tuple(codecs)
         if any(c not in self.candidates for c in codecs):
             raise ValueError(f"codecs={codecs!r}: must be among the candidates {self.candidates}")

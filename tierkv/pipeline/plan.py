@@ -62,6 +62,8 @@ class FetchPlan:
             unique = _dedupe(group, keys)
             weights = tuple(float(importance.get(k, default_importance)) for k in unique) \
                 if importance else (float(default_importance),) * len(unique)
+            if any(w != w for w in weights):  # NaN would scramble the device cache's ranking
+                raise ValueError(f"FetchPlan: group {group}: an importance is NaN")
             self._groups.append(GroupFetch(group, unique, weights, len(self._groups), spare,
                                            bool(packed)))
 

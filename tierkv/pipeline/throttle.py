@@ -19,7 +19,8 @@ class ThrottledDisk:
     """
 
     def __init__(self, disk, bandwidth: float):
-        if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or bandwidth <= 0:
+        if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or \
+                not 0 < bandwidth < float("inf"):
             raise ValueError(f"bandwidth={bandwidth!r}: must be a positive number of bytes/s")
         self.disk = disk
         self.bandwidth = float(bandwidth)
@@ -40,4 +41,6 @@ class ThrottledDisk:
         return raws
 
     def __getattr__(self, name):
+        if name == "disk":  # not set yet (copy, unpickling): not the wrapped tier's
+            raise AttributeError(name)
         return getattr(self.disk, name)
