@@ -235,6 +235,22 @@ def test_worker_failure_mid_plan_names_the_record():
             pipe.submit(plan).wait(1)
 
 
+@pytest.mark.parametrize("broken, match", [
+    (lambda keys: (_ for _ in ()).throw(RuntimeError("disk driver bug")), "disk driver bug"),
+    (lambda keys: None, "disk returned NoneType, not a list of records"),
+])
+def test_any_failure_of_the_disk_read_is_a_fetch_error_naming_a_record(broken, match):
+    """Whatever the disk tier (any object with ``read_raw_many``) raises or returns wrongly,
+    ``wait`` raises FetchError naming the group and a record, the cause chained."""
+    store, keys = filled_store()
+    store.disk.read_raw_many = broken
+    with Pipeline(store, CPU) as pipe:
+        step = pipe.submit(FetchPlan([(1, keys[1])]))
+        with pytest.raises(FetchError, match=match) as info:
+            step.wait(1)
+        assert info.value.group == 1 and info.value.key in keys[1]
+
+
 @pytest.mark.parametrize("bad, match", [
     (lambda key: make_block(RecordKey(key.doc, key.group, key.start, key.end + 2)),
      "holds 18 tokens but"),

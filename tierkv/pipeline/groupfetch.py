@@ -15,7 +15,9 @@ from tierkv.scattered import Scattered
 from tierkv.storage.base import KVBlock, RecordKey, StorageError
 from tierkv.storage.codec import codec_name_by_id
 
-READ_ERRORS = (StorageError, OSError, KeyError, ValueError)
+# Any error of the disk tier's read or decode (a tier passed in may be any object with
+# ``read_raw_many``/``decode``) becomes a FetchError naming the record, its cause chained.
+READ_ERRORS = (Exception,)
 
 
 class FetchError(StorageError):
@@ -132,7 +134,14 @@ class GroupFetcher:
         raws = []
         try:
             raws = self.disk.read_raw_many(keys)
+            if not isinstance(raws, list):
+                raise FetchError(group, keys[0], f"disk returned {type(raws).__name__}, not a "
+                                 "list of records")
+        except FetchError:
+            raws = []
+            raise
         except READ_ERRORS as exc:
+            raws = []
             self._blame(group, keys, exc)
         finally:
             if self.meter is not None:
