@@ -6,6 +6,7 @@ Nothing is ever downloaded.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import json
@@ -137,8 +138,15 @@ def cache_kwargs(model, cache) -> dict:
     """``{name: cache}`` under the keyword the installed transformers' ``forward`` and
     ``generate`` take a cache by: ``cache`` from 5.24 on (where ``past_key_values`` is deprecated
     and warns), ``past_key_values`` before. ``model`` may be any callable taking one of the two."""
-    takes = inspect.signature(getattr(model, "forward", model)).parameters
-    return {"cache" if "cache" in takes else "past_key_values": cache}
+    forward = getattr(type(model), "forward", None) or model  # the class's: one lookup for all
+    return {_cache_keyword(forward): cache}
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_keyword(forward) -> str:
+    """``cache`` or ``past_key_values``: what ``forward`` takes (a timed decode step asks, so
+    its signature is read once, not every step)."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def _check_device(device) -> None:

@@ -68,6 +68,7 @@ def save(cache, path) -> Path:
                          "was fed inputs_embeds?): a saved document carries its token ids, so "
                          "feed the model input_ids to save it")
     cache.compact()
+    identity = model_identity(cache._model)
     own = cache.store.disk
     same = own is not None and Path(own.path).resolve() == path.resolve()
     disk = own if same else DiskTier(path, codec=cache.config.codec)
@@ -75,13 +76,13 @@ def save(cache, path) -> Path:
         if not same:
             disk.hold_doc(cache.doc)
             disk.refresh()
-            _check_replaceable(disk, cache)
+            _check_replaceable(disk, cache, identity)
         keys = [key for index in cache.indexes for key in index.keys]
         for key in keys:
             if not (same and cache.store.where(key) == "disk"):
                 block = cache.store.get(key)
                 disk.put(key, block, codec=cache.store.disk_codec(key, block))
-        disk.set_doc_meta(cache.doc, _meta(cache), _arrays(cache))
+        disk.set_doc_meta(cache.doc, _meta(cache, identity), _arrays(cache))
         disk.flush()
         kept = set(keys)  # then the records of the state this one replaces, no longer used
         if disk.remove_many([k for k in disk.keys() if k.doc == cache.doc and k not in kept]):
@@ -94,9 +95,10 @@ def save(cache, path) -> Path:
     return path
 
 
-def _check_replaceable(disk: DiskTier, cache) -> None:
-    """Refuse to save ``cache`` over a document of its id in ``disk`` that is not an earlier
-    state of it (another model's, another text's, or records never saved)."""
+def _check_replaceable(disk: DiskTier, cache, identity: dict) -> None:
+    """Refuse to save ``cache`` (its model's ``identity``) over a document of its id in
+    ``disk`` that is not an earlier state of it (another model's, another text's, or records
+    never saved)."""
     doc = cache.doc
     if doc not in disk.docs():
         return
@@ -107,7 +109,7 @@ def _check_replaceable(disk: DiskTier, cache) -> None:
                          "remove them first (DiskTier.delete_doc)")
     saved = disk.doc_meta(doc)[1].get("token_ids")
     mine = cache.token_ids[0]
-    earlier = not differing(meta.get("model"), model_identity(cache._model)) and saved is not None and \
+    earlier = not differing(meta.get("model"), identity) and saved is not None and \
         saved.numel() <= mine.numel() and torch.equal(mine[:saved.numel()], saved.long())
     if not earlier:
         raise ValueError(f"{disk.path} already holds another document {doc!r} (not an earlier "
@@ -115,8 +117,8 @@ def _check_replaceable(disk: DiskTier, cache) -> None:
                          "first (DiskTier.delete_doc)")
 
 
-def _meta(cache) -> dict:
-    return {"format": FORMAT_VERSION, "model": model_identity(cache._model),
+def _meta(cache, identity: dict) -> dict:
+    return {"format": FORMAT_VERSION, "model": identity,
             "policy": cache.policy.name, "tokens": cache.get_seq_length(),
             "select": dataclasses.asdict(cache.select), "chunks": dataclasses.asdict(cache.chunks),
             "groups": [list(g) for g in cache.groups], "profile": cache.profile}

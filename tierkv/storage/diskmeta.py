@@ -26,9 +26,9 @@ def _saveable(doc: str, name: str, tensor) -> torch.Tensor:
     if tensor.layout != torch.strided or tensor.is_meta:
         raise ValueError(f"array {name!r} of {doc!r}: a dense tensor with data expected, got "
                          f"layout {tensor.layout} on {tensor.device}")
-    try:
+    try:  # a dtype the manifest cannot hold fails on one element as on all of them
         copy = tensor.detach().to("cpu", copy=True).contiguous()
-        encode_manifest({f: [] for f in INDEX_FIELDS}, [doc], {}, {doc: {name: copy}})
+        encode_manifest({f: [] for f in INDEX_FIELDS}, [doc], {}, {doc: {name: copy.reshape(-1)[:1]}})
     except (RuntimeError, TypeError, ValueError) as exc:
         raise ValueError(f"array {name!r} of {doc!r} ({tensor.dtype}, shape "
                          f"{tuple(tensor.shape)}) cannot be saved: {exc}") from None
