@@ -1,11 +1,13 @@
 """Policy pieces that need no model: the honest budget, OmniKV's fill and its target group."""
+import warnings
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tierkv import kernels
+from tierkv import DeviceBudgetWarning, kernels
 from tierkv.config import ChunkConfig, SelectConfig
+from tierkv.hf.fetching import GroupFetches
 from tierkv.hf.groups import GroupIndex
 from tierkv.policies import Policy, make_policy
 from tierkv.policies import tierkv as tierkv_policy
@@ -235,7 +237,8 @@ def test_share_scores_rank_what_a_head_reads_over_wide_leaves():
 def test_quest_and_leoam_fetch_by_estimated_shares(name):
     index, q = leaves_read_by_one_head()
     policy = make_policy(name, 6, SelectConfig(budget=24, window=8, sinks=4), CHUNKS, {})
-    cache = SimpleNamespace(get_seq_length=lambda: 72, index_of=lambda layer: index)
+    cache = SimpleNamespace(get_seq_length=lambda: 72, index_of=lambda layer: index,
+                            group_of=list(range(6)), fit_to_device=lambda group, tokens: tokens)
     assert policy.fetch(cache, 4, q[:, None]).tolist() == [0, 3]  # the sink page, then leaf 3
 
 
@@ -274,18 +277,27 @@ def test_leaf_fill_keeps_the_records_it_moves_within_the_move_factor():
     assert leaves.tolist() == [0, 1, 2, 3, 4]
     spec = index.fetch(leaves)
     assert spec.tokens == 24 and spec.positions.tolist() == list(range(20))
+    # a device tier that holds 16 of the group's tokens: two records, all of their leaves
+    leaves = omnikv(sinks=4, fetch_unit="leaf")._fill(index, scores, budget, room=16)
+    assert leaves.tolist() == [0, 1, 2, 3] and index.fetch(leaves).tokens == 16
 
 
 def preselecting_cache(index, device: int):
     """A stand-in for a TieredCache of 6 layers in groups (0,), (1,) (the filter layer) and
     (2, 3, 4, 5), 8-token records, 1040 tokens of context, ``device`` bytes of device tier."""
-    groups = [(0,), (1,), (2, 3, 4, 5)]
-    return SimpleNamespace(store=SimpleNamespace(device=SimpleNamespace(budget=device)),
-                           group_bytes=lambda layer: 1 << 20, index_of=lambda layer: index,
-                           get_seq_length=lambda: 1040, shape=KVShape(6, KV, DIM), groups=groups,
-                           group_of=[0, 1, 2, 2, 2, 2], indexes=[index] * 3,
-                           spare_tokens=lambda g: 32 + 8,  # window + record tokens
-                           fetch_ahead=True)
+    cache = StandIn()
+    cache.__dict__.update(
+        store=SimpleNamespace(device=SimpleNamespace(budget=device)), groups=[(0,), (1,), (2, 3, 4, 5)],
+        group_bytes=lambda layer: 1 << 20, index_of=lambda layer: index,
+        get_seq_length=lambda: 1040, shape=KVShape(6, KV, DIM), group_of=[0, 1, 2, 2, 2, 2],
+        indexes=[index] * 3, spare_tokens=lambda g: 32 + 8,  # window + record tokens
+        fetch_ahead=True, policy=SimpleNamespace(name="tierkv"), trimmed_fetches=0,
+        trimmed_tokens=0, _window_tokens=None)
+    return cache
+
+
+class StandIn(GroupFetches):
+    """What of a TieredCache a test sets, with its fetches' room (``fetch_room``, ...)."""
 
 
 def preselected_tokens(budget: float, device: int, fetch_unit: str = "record") -> int:
@@ -306,16 +318,25 @@ def test_preselection_scores_at_least_its_floor_of_the_context(budget, candidate
 
 
 @pytest.mark.parametrize("fetch_unit", ["record", "leaf"])
-@pytest.mark.parametrize("room, candidates", [(200, 200), (0, 2 * 20)])
+@pytest.mark.parametrize("room, candidates", [(200, 160), (80, 2 * 20), (60, 20)])
 def test_preselection_stays_within_the_device_room(room, candidates, fetch_unit):
-    """Candidates fit beside the windows, down to PRESELECT_MIN_FACTOR x the budget. At 5 % of
-    1040 tokens the budget is 52 - 32 (window) = 20 tokens; the windows take 6 x (32 + 8) tokens,
-    64 B a token and layer. The selecting groups' fetches need no room beside them (whatever
-    the fetch unit): a filter layer's choice is fetched once its candidates are let go."""
+    """Candidates fit beside the windows, down to PRESELECT_MIN_FACTOR x the budget, and below
+    it only as far as the device tier does not hold that (with a warning). At 5 % of 1040
+    tokens the budget is 52 - 32 (window) = 20 tokens; the windows take 6 x (32 + 8) tokens, 64
+    B a token and layer, and the fetch keeps room for its own window (40 tokens). The selecting
+    groups' fetches need no room beside them (whatever the fetch unit): a filter layer's choice
+    is fetched once its candidates are let go."""
     per_token = KVShape(6, KV, DIM).token_bytes(1)
     assert per_token == 64
-    tokens = preselected_tokens(0.05, (6 * 40 + room) * per_token, fetch_unit)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tokens = preselected_tokens(0.05, (6 * 40 + room) * per_token, fetch_unit)
     assert candidates - CHUNKS.base < tokens <= candidates
+    trimmed = [w for w in caught if issubclass(w.category, DeviceBudgetWarning)]
+    assert len(trimmed) == (candidates < 2 * 20)
+    if trimmed:
+        assert "holds 20 tokens of layer group 1 (layers 1) beside the recent windows, fewer " \
+               "than the 40" in str(trimmed[0].message)
 
 
 @pytest.mark.parametrize("device, narrowed", [(3 << 20, True), (4 << 20, False)])

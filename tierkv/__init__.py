@@ -3,12 +3,13 @@ from .config import ChunkConfig, CodecConfig, SelectConfig, TierConfig, parse_si
 from .hf.cache import TieredCache
 from .hf.model import load_model
 from .shapes import KVShape
-from .storage.base import CorruptRecordError, KVBlock, RecordKey, StorageError, TierFullError
+from .storage.base import (CorruptRecordError, DeviceBudgetWarning, KVBlock, RecordKey, StorageError,
+                           TierFullError)
 from .storage.locking import DocInUseError
 from .storage.store import KVStore
 
 __all__ = [
-    "ChunkConfig", "CodecConfig", "CorruptRecordError", "DocInUseError", "KVBlock", "KVShape", "KVStore",
-    "RecordKey", "SelectConfig", "StorageError", "TierConfig", "TierFullError", "TieredCache",
-    "load_model", "parse_size",
+    "ChunkConfig", "CodecConfig", "CorruptRecordError", "DeviceBudgetWarning", "DocInUseError",
+    "KVBlock", "KVShape", "KVStore", "RecordKey", "SelectConfig", "StorageError", "TierConfig",
+    "TierFullError", "TieredCache", "load_model", "parse_size",
 ]

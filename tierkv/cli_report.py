@@ -73,6 +73,9 @@ def kv_rows(cache) -> list[tuple[str, str]]:
     rows += [(f"KV on {tier}", f"{human_bytes(stats.get(f'{tier}_bytes', 0))} "
                                f"({stats.get(f'{tier}_records', 0)} records)") for tier in TIERS]
     rows.append(("device peak", human_bytes(stats["device_peak_bytes"])))
+    if stats["trimmed_fetches"]:
+        rows.append(("cut to the device", f"{stats['trimmed_fetches']} fetches, "
+                                          f"{stats['trimmed_tokens']} tokens short of the budget"))
     total = cache.metrics.summary()["total"]
     rows.append(("stall fraction", f"{total['stall_frac']:.3f}"))
     rows.append(("cache hit rate", f"{total['cache_hit_rate']:.3f}"))

@@ -233,14 +233,17 @@ class SelectConfig:
     * 2K/4K/8K contexts, 64 teacher-forced tokens each, device tier 4x ``bench.quality``'s:
       top-1 0.870 against 0.859 at a 10 % budget, 0.818 against 0.766 at 5 %.
     * Four seeded 8K documents, ``bench.decode``'s case teacher-forced (2026-11-29), device tier
-      7 % of the KV for both (5 % does not hold the leaves' records): KL from full attention
-      0.062 against 0.076, top-1 0.883 both, a step ~10 % slower. With the records held to 1.0x
-      the budget it fits 5 %: KL 0.078, top-1 0.875.
+      7 % of the KV for both: KL from full attention 0.062 against 0.076, top-1 0.883 both, a
+      step ~10 % slower. At 5 %, where the leaves' records are cut to what the device tier holds
+      (``TieredCache.fit_to_device``; before, ``TierFullError``): KL 0.070, top-1 0.891, median
+      step 84-91 against 78-80 ms. With the records held to 1.0x the budget: KL 0.078, 0.875.
 
     ``full_after_filter``: the layer right after each filter layer attends its whole context
     (OmniKV's way to hide the selection's load). Same four documents, device 25 % / host 50 %
-    of the KV (5 % does not hold those layers' KV): KL 0.068 against 0.076, top-1 0.879 against
-    0.883, a step ~30 % slower (median 77-80 against 60-63 ms).
+    of the KV: KL 0.068 against 0.076, top-1 0.879 against 0.883, a step ~30 % slower (median
+    77-80 against 60-63 ms). At 5 % / 20 %, where the choice for the layers after it now waits
+    for the dense layer's fetch instead of both failing to fit (``TierFullError`` before): KL
+    0.060, top-1 0.898, a step ~45 % slower (median 98-120 against 78-80 ms).
     """
 
     budget: float | int = 0.1

@@ -171,6 +171,8 @@ class TieredCache(GroupFetches, Cache):
         self._start = (0, 0)  # the ids and tokens held when the last forward pass began
         self._thread: int | None = None  # the thread that began it
         self.steps = 0  # decode steps so far: the importance of what a step reads or seals
+        self.trimmed_fetches = self.trimmed_tokens = 0  # fetches ``fit_to_device`` cut down
+        self._window_tokens: int | None = None  # the windows' reserved tokens, all layers
         self._pinned: set[int] = set()  # groups whose records were sealed or read as PINNED
         self.token_ids = torch.zeros(1, 0, dtype=torch.long)
         self.snapshot: set | None = None  # disk records of the saved document this cache holds
@@ -363,7 +365,9 @@ class TieredCache(GroupFetches, Cache):
         known, wanted = self.policy.ahead(self, self.groups[g][0])
         if known:
             spec = self.indexes[g].fetch(wanted)
-            if not early or self._room() >= self._fetch_bytes(g, spec) + self._window.growth():
+            room = self.fetch_room(g)  # a group read whole past it: the step refuses (check_room)
+            if (room is None or spec.tokens <= room) and (
+                    not early or self._room() >= self._fetch_bytes(g, spec) + self._window.growth()):
                 self.prefetch(g, spec)
         if g == 0 and not early:
             self.metrics.step_end()
@@ -472,4 +476,5 @@ class TieredCache(GroupFetches, Cache):
         """Tokens, tier occupancy and the device tier's peak, as a dict."""
         return {"tokens": self.get_seq_length(), "policy": self.policy.name,
                 "device_peak_bytes": self.store.device.peak, **self.store.stats(),
+                "trimmed_fetches": self.trimmed_fetches, "trimmed_tokens": self.trimmed_tokens,
                 **{f"pipeline_{k}": v for k, v in self.metrics.summary().items()}}

@@ -7,11 +7,13 @@ from the request on (``prefetch:<group>``, then ``fetch:<group>`` until the grou
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..pipeline import FetchPlan
 from ..scattered import Scattered
-from ..storage.base import KVBlock
+from ..storage.base import DeviceBudgetWarning, KVBlock, TierFullError
 from .groups import Fetch
 
 
@@ -52,7 +54,7 @@ class GroupFetches:
             block = kept[1]
             self.pipeline.refresh(self._plan(g, spec))
         else:  # known only now: fetched in this thread, which would only wait for it
-            self.reserve(f"fetch:{g}", self._fetch_bytes(g, spec))
+            self._reserve_now(g, self._fetch_bytes(g, spec))
             block = self.pipeline.fetch_now(self._plan(g, spec))
         if isinstance(block, Scattered) and self.policy.preselects(self, layer):
             self._kept[g] = (spec.keys, block)
@@ -64,11 +66,33 @@ class GroupFetches:
 
     def prefetch(self, group: int, spec: Fetch) -> None:
         """Start bringing ``spec``'s records of ``group`` to the device (pipelined, in flight
-        while earlier layers compute); its bytes count against the device budget from now."""
+        while earlier layers compute); its bytes count against the device budget from now.
+        Not when the device tier has no room for them now (another group's prefetch holds it:
+        ``full_after_filter``'s dense layer and the choice for the layers after it): the group
+        then fetches them when its first layer asks."""
         if not spec.keys or self._step.get(("prefetch", group), (None,))[0] == spec.keys:
             return
-        self.reserve(f"prefetch:{group}", self._fetch_bytes(group, spec))
+        nbytes = self._fetch_bytes(group, spec)
+        if self._room() < nbytes:
+            return
+        self.reserve(f"prefetch:{group}", nbytes)
         self._step[("prefetch", group)] = (spec.keys, self.pipeline.submit(self._plan(group, spec)))
+
+    def _reserve_now(self, group: int, nbytes: int) -> None:
+        """Reserve a fetch ``group`` needs now; when the device tier does not hold it beside the
+        other groups' prefetches (for later layers), those are cancelled to make room (their
+        groups fetch when they ask)."""
+        try:
+            self.reserve(f"fetch:{group}", nbytes)
+            return
+        except TierFullError:
+            later = [key for key in self._step if key[0] == "prefetch" and key[1] != group]
+            if not later:
+                raise
+        for key in later:
+            self._step.pop(key)[1].cancel()
+            self.store.device.reserve(f"prefetch:{key[1]}", 0)
+        self.reserve(f"fetch:{group}", nbytes)
 
     def _plan(self, group: int, spec: Fetch) -> FetchPlan:
         return FetchPlan([(group, spec.keys)], spare=self.spare_tokens(group),
@@ -78,3 +102,67 @@ class GroupFetches:
         """Device bytes a fetch of ``spec`` for ``group`` takes, with room for the window."""
         tokens = spec.tokens + self.spare_tokens(group)
         return tokens * self.shape.token_bytes(len(self.groups[group]))
+
+    def fetch_room(self, group: int) -> int | None:
+        """Tokens of ``group``'s sealed KV that one fetch can bring to the device tier beside
+        every layer's recent window (``spare_tokens`` each, reserved as such) and the fetch's
+        own room for the group's window (``_fetch_bytes``); None when the tier has no budget.
+
+        A group's fetch is on the device with no other group's but a prefetch that found room
+        for itself (``TieredCache._look_ahead``), and a filter layer's choice is fetched once
+        the filter layer's own records are let go (``set_selection``)."""
+        budget = self.store.device.budget
+        if budget is None:
+            return None
+        if self._window_tokens is None:  # fixed for the cache's life
+            self._window_tokens = sum(len(layers) * self.spare_tokens(g)
+                                      for g, layers in enumerate(self.groups))
+        free = budget - self._window_tokens * self.shape.token_bytes(1)
+        per_token = self.shape.token_bytes(len(self.groups[group]))
+        return max(0, free // per_token - self.spare_tokens(group))
+
+    def fit_to_device(self, group: int, tokens: int) -> int:
+        """``tokens``, what a policy would have a decode step fetch of ``group``, or as many as
+        the device tier holds (``fetch_room``) when fewer: the policy then fills that much (its
+        lowest-ranked chunks stay behind) and the step goes on. Such fetches are counted
+        (``stats()["trimmed_fetches"]``, ``"trimmed_tokens"``); the first one warns
+        (DeviceBudgetWarning) with the device budget that holds them all."""
+        room = self.fetch_room(group)
+        if room is None or tokens <= room:
+            return tokens
+        self.trimmed_fetches += 1
+        self.trimmed_tokens += tokens - room
+        if self.trimmed_fetches == 1:
+            layers = self.groups[group]
+            need = self.store.device.budget + (tokens - room) * self.shape.token_bytes(len(layers))
+            warnings.warn(
+                f"the device tier ({self.store.device.budget} B) holds {room} tokens of layer group "
+                f"{group} (layers {_span(layers)}) beside the recent windows, fewer than the "
+                f"{tokens} that policy {self.policy.name!r} would fetch at {self.get_seq_length()} "
+                f"tokens: its fetches attend what fits (counted in stats()['trimmed_fetches']); "
+                f"a device budget of {need} B holds them all (TierConfig.device_budget, "
+                "--device-budget)", DeviceBudgetWarning, stacklevel=2)
+        return room
+
+    def check_room(self) -> None:
+        """Before a decode step changes anything: TierFullError when a layer group its policy
+        reads whole (every sealed token, whatever the query) no longer fits the device tier
+        beside the recent windows. Raised from the step's middle instead, it would leave the
+        cache unable to go on or be saved; refused here, the cache stays whole."""
+        for g, layers in enumerate(self.groups):
+            room = self.fetch_room(g)
+            sealed = self.indexes[g].sealed
+            if room is None or sealed <= room or not self.policy.dense(self, layers[0]):
+                continue
+            need = self.store.device.budget + (sealed - room) * self.shape.token_bytes(len(layers))
+            raise TierFullError(
+                f"a decode step reads layer group {g} (layers {_span(layers)}) whole under policy "
+                f"{self.policy.name!r}: its {sealed} sealed tokens do not fit the device tier "
+                f"({self.store.device.budget} B) beside the recent windows, which holds {room}. "
+                f"Nothing was changed: save the cache (save()) and reopen it (TieredCache.open) "
+                f"with a device budget of at least {need} B, or choose a policy that selects "
+                "(tierkv)")
+
+
+def _span(layers: tuple[int, ...]) -> str:
+    return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])

@@ -72,6 +72,8 @@ def begin_forward(cache, args, kwargs) -> None:
                          f"but its forward pass was given {given}: pass cache=cache "
                          "(past_key_values=), or close() the cache first")
     new = check_forward(cache.get_seq_length(), cache.sliding_window, args, kwargs)
+    if new == 1 and cache.get_seq_length():
+        cache.check_room()  # a group read whole that no longer fits: refused, nothing changed
     threads = cache.decode_threads if new == 1 else None
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                 or threads < 1):

@@ -35,4 +35,5 @@ class Quest(Policy):
         if layer < self.dense_layers:
             return None
         index = cache.index_of(layer)
-        return index.top_chunks(index.share_scores(q[:, 0].cpu()), self.budget(cache), self.select.sinks)
+        budget = cache.fit_to_device(cache.group_of[layer], self.budget(cache))
+        return index.top_chunks(index.share_scores(q[:, 0].cpu()), budget, self.select.sinks)

@@ -33,8 +33,9 @@ steps, 117.0 against 113.4 ms a token and 123.9 against 114.8 (two runs; ``full_
 layer. On one cache decoding alternate blocks of 8 steps (2026-11-28), the budget took 96.4 ms a
 token, the sinks alone 96.7 and half the budget 99.1 (``full_memory`` 116.5).
 
-The candidates also stay within what the device tier holds beside every layer's recent window,
-down to ``PRESELECT_MIN_FACTOR`` x the budget. A filter layer's candidates and the chunks it
+The candidates also stay within what the device tier holds beside every layer's recent window
+(``TieredCache.fetch_room``), down to ``PRESELECT_MIN_FACTOR`` x the budget, and below that only
+where the tier does not hold it (``fit_to_device``: cut, with a warning). A filter layer's candidates and the chunks it
 chooses for the layers after it are never on the device together (``TieredCache.set_selection``
 fetches the choice once the candidates are let go), so a device tier of 5 % of the KV holds the
 whole 40 % at 8K. Measured with ``bench.decode --cases tierkv`` (8,128 tokens, device 5 % of the
@@ -162,26 +163,19 @@ class TierKV(OmniKV):
         """The leaves ``query`` (q_heads, head_dim) ranks first by their LKA bounds, those the
         layer fetched last ``PRESELECT_STICKINESS`` x the leaves higher, as many as the rule of
         this module's docstring allows."""
-        index = cache.index_of(layer)
+        index, group = cache.index_of(layer), cache.group_of[layer]
         budget = self.budget(cache)
         if layer < self.filters[0]:  # it attends its own candidates only: the budget's worth
             candidates = budget
         else:
-            wanted = min(max(PRESELECT_FACTOR * budget, int(PRESELECT_FLOOR * index.sealed)),
-                         self.device_room(cache, layer))
+            wanted = max(PRESELECT_FACTOR * budget, int(PRESELECT_FLOOR * index.sealed))
+            room = cache.fetch_room(group)
+            if room is not None:
+                wanted = min(wanted, room)
             candidates = max(PRESELECT_MIN_FACTOR * budget, wanted)
+        candidates = cache.fit_to_device(group, candidates)
         scores = index.bound_scores(query)
         last = self._fetched.get(layer)
         if last is not None:  # leaves only ever append here: the indices still name them
             scores[last[last < scores.numel()]] += PRESELECT_STICKINESS * scores.numel()
         return index.top_chunks(scores, candidates, self.select.sinks)
-
-    def device_room(self, cache, layer) -> int:
-        """Tokens of preselecting ``layer``'s group the device tier holds beside every layer's
-        recent window (``spare_tokens`` each). The selecting groups' fetches need no room beside
-        them: a filter layer's choice is fetched once its own candidates are let go
-        (``TieredCache.set_selection``)."""
-        per_token = cache.shape.token_bytes(1)
-        windows = sum(len(group) * cache.spare_tokens(g) for g, group in enumerate(cache.groups))
-        free = cache.store.device.budget - windows * per_token
-        return max(0, free) // cache.shape.token_bytes(len(cache.groups[cache.group_of[layer]]))

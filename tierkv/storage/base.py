@@ -26,6 +26,13 @@ class TierFullError(StorageError):
     """A put would exceed the tier's budget; nothing was stored."""
 
 
+class DeviceBudgetWarning(UserWarning):
+    """A decode step attends fewer tokens of a layer group than its policy chose: the device
+    tier does not hold them all beside the recent windows (``TieredCache.fit_to_device``).
+    ``warnings.simplefilter("error", DeviceBudgetWarning)`` makes it an error instead (raised
+    mid-step, which leaves that cache unable to go on)."""
+
+
 class CorruptRecordError(StorageError):
     """A stored record failed its checks (magic, version, lengths, crc32, codec)."""
 

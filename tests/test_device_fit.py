@@ -1,0 +1,126 @@
+"""A device tier too small for what a decode step would fetch, on tiny random models (no model
+file read): a selection is cut to what fits and the step goes on (once warned); a layer read
+whole that no longer fits is refused before the step changes anything, so the cache can be
+saved and reopened with a larger device tier."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tierkv import DeviceBudgetWarning, SelectConfig, TierConfig, TieredCache, TierFullError
+
+PER_TOKEN = 2 * 2 * 8 * 4  # keys and values, 2 kv heads of 8, fp32: bytes a token and layer
+
+
+def tiny(layers: int = 4) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, vocab_size=64)
+    config._name_or_path = "tiny"
+    return LlamaForCausalLM(config).eval()
+
+
+def ids(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+
+
+def test_a_selection_the_device_tier_does_not_hold_is_cut_to_what_fits(tmp_path):
+    """``tierkv``'s layers 3-15 reuse filter layer 2's choice: a quarter of 1,000 tokens, 13
+    layers deep, is more than a device tier that holds one layer's prompt for its prefill
+    holds beside the windows. Each such fetch is cut to what fits, the first with a warning;
+    they are counted and the tier never holds more than its budget. Before, the first decode
+    step failed (TierFullError) and left the cache unable to go on or be saved."""
+    model = tiny(layers=16)
+    select = SelectConfig(budget=0.25, filter_layers=(2,))
+    with TieredCache(model, TierConfig(device_budget="64MB", host_budget="64MB"), "tierkv",
+                     select=select) as probe:
+        assert probe.groups == [(0,), (1,), (2,), tuple(range(3, 16))]
+        windows = sum(len(layers) * probe.spare_tokens(g) for g, layers in enumerate(probe.groups))
+    device = (windows + 1100) * PER_TOKEN
+    config = TierConfig(device_budget=device, host_budget="64MB", disk_dir=tmp_path / "kv")
+    with TieredCache(model, config, "tierkv", select=select) as cache, torch.no_grad():
+        model(ids(1000), past_key_values=cache, use_cache=True)
+        room = cache.fetch_room(3)
+        assert 0 < room < cache.policy.budget(cache, 3) // 2
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(6):
+                model(ids(1, seed=10 + step), past_key_values=cache, use_cache=True)
+        trimmed = [w for w in caught if issubclass(w.category, DeviceBudgetWarning)]
+        assert len(trimmed) == 1
+        assert f"holds {room} tokens of layer group 3 (layers 3-15)" in str(trimmed[0].message)
+        stats = cache.stats()
+        assert stats["trimmed_fetches"] >= 6 and stats["trimmed_tokens"] > 6 * room
+        assert cache.store.device.peak <= device
+        assert cache.get_seq_length() == 1006
+        cache.save(tmp_path / "saved")
+
+
+def test_a_layer_read_whole_that_outgrows_the_device_is_refused_before_the_step(tmp_path):
+    """``full`` reads every layer whole. Once the sealed context passes what the device tier
+    holds beside the windows, the next decode step is refused before it changes anything: the
+    cache is saved, reopened with a larger device tier, and goes on to plain transformers'
+    greedy tokens."""
+    model = tiny()
+    probe = TieredCache(model, TierConfig(device_budget="64MB", host_budget="64MB"), "full")
+    spare = probe.spare_tokens(0)
+    probe.close()
+    device = 4 * spare * PER_TOKEN + (100 + spare) * PER_TOKEN  # room for 100 sealed tokens
+    prompt = ids(90)
+    small = TierConfig(device_budget=device, host_budget="64MB", disk_dir=tmp_path / "kv")
+    tokens = []
+    with TieredCache(model, small, "full") as cache, torch.no_grad():
+        logits = model(prompt, past_key_values=cache, use_cache=True).logits
+        assert cache.fetch_room(0) == 100
+        with pytest.raises(TierFullError, match=r"reads layer group 0 \(layers 0\) whole under "
+                                                r"policy 'full': its 104 sealed tokens do not fit"):
+            while True:
+                tokens.append(int(logits[0, -1].argmax()))
+                held = cache.get_seq_length()
+                logits = model(torch.tensor([[tokens[-1]]]), past_key_values=cache,
+                               use_cache=True).logits
+        assert cache.get_seq_length() == held and cache.token_ids.shape[1] == held
+        assert cache.store.device.peak <= device
+        cache.save(tmp_path / "saved")
+    larger = TierConfig(device_budget="1MB", host_budget="64MB")
+    with TieredCache.open(model, tmp_path / "saved", larger) as cache, torch.no_grad():
+        for _ in range(8):
+            logits = model(torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True).logits
+            tokens.append(int(logits[0, -1].argmax()))
+    want = model.generate(prompt, max_new_tokens=len(tokens), do_sample=False)[0, 90:].tolist()
+    assert tokens == want
+
+
+def test_a_dense_layer_and_the_choice_after_it_take_turns_on_a_small_device(tmp_path):
+    """With ``full_after_filter`` the choice of filter layer 2 for layers 4-15 was prefetched
+    while layer 3 attended its whole context, and the two together needed more than a device
+    tier holding either (TierFullError at the first step). Now the choice's prefetch gives way
+    to the dense layer's fetch and is fetched when layer 4 asks: the same logits as on a large
+    device tier."""
+    model = tiny(layers=16)
+    select = SelectConfig(budget=0.1, filter_layers=(2,), full_after_filter=True)
+    logits = []
+    for device in ("64MB", None):
+        if device is None:
+            with TieredCache(model, TierConfig(device_budget="64MB", host_budget="64MB"), "omnikv",
+                             select=select) as probe:
+                assert probe.groups == [(0,), (1,), (2,), (3,), tuple(range(4, 16))]
+                windows = sum(len(layers) * probe.spare_tokens(g)
+                              for g, layers in enumerate(probe.groups))
+            device = (windows + 1400) * PER_TOKEN
+        config = TierConfig(device_budget=device, host_budget="64MB", disk_dir=tmp_path / "kv")
+        with TieredCache(model, config, "omnikv", select=select) as cache, torch.no_grad(), \
+                warnings.catch_warnings():
+            warnings.simplefilter("error", DeviceBudgetWarning)
+            model(ids(1000), past_key_values=cache, use_cache=True)
+            steps = [model(ids(1, seed=10 + step), past_key_values=cache, use_cache=True).logits
+                     for step in range(4)]
+            logits.append(torch.cat(steps))
+            if isinstance(device, int):
+                assert cache.store.device.peak <= device
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
