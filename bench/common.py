@@ -140,7 +140,7 @@ def divergence(ref: torch.Tensor, got: torch.Tensor) -> dict:
     kl = (ref.exp() * (ref - got)).sum(-1).clamp_min(0.0)  # >= 0 but for rounding
     top = ref.topk(2, dim=-1).values
     miss = (ref.argmax(-1) != got.argmax(-1)).nonzero().flatten().tolist()
-    return {"top1_agreement": 1.0 - len(miss) / ref.shape[0], "kl": kl.mean().item(),
+    return {"top1_agreement": 1.0 - len(miss) / ref.shape[0], "kl": kl.mean().item() + 0.0,  # not -0.0
             "top1_misses": [[i + 1, round((top[i, 0] - top[i, 1]).item(), 3)] for i in miss]}
 
 

@@ -66,7 +66,7 @@ def test_divergence_measures_agreement_kl_and_how_close_each_miss_was():
     ref = torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 0.0], [1.0, 0.9, 0.0]]).log_softmax(-1)
     same = divergence(ref, ref.clone())
     assert same["top1_agreement"] == 1.0 and same["kl"] == pytest.approx(0.0, abs=1e-12)
-    assert same["top1_misses"] == []
+    assert same["top1_misses"] == [] and str(same["kl"]) == "0.0"  # not "-0.0" in the results
     got = torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 0.0], [0.9, 1.0, 0.0]]).log_softmax(-1)
     out = divergence(ref, got)
     assert out["top1_agreement"] == pytest.approx(2 / 3)

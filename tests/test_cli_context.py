@@ -48,4 +48,7 @@ def test_output_dirs_that_cannot_be_made_refused_before_the_model_loads(tmp_path
     check_new_dir(tmp_path / "new" / "deeper", "--save")  # absent, under a writable directory
     check_creatable(tmp_path, "--out")
     assert not (tmp_path / "new").exists()  # checked, not made
+    with pytest.raises(ValueError, match=rf"--out {tmp_path / 'doc.txt'}: cannot be created, it "
+                                         "exists and is not a directory"):
+        check_creatable(tmp_path / "doc.txt", "--out")
 

@@ -91,6 +91,8 @@ def test_bad_budget_is_named():
 @pytest.mark.parametrize("make, message", [
     (lambda: parse_size("0.1", "host_budget"), "host_budget='0.1': a byte count must be a whole"),
     (lambda: parse_size(1.7, "host_budget"), "whole number"),
+    (lambda: parse_size("0.0001KB", "device_budget"), r"device_budget='0.0001KB' is 0.1 bytes: "
+                                                       "less than one byte"),
     (lambda: CodecConfig(allow_lossy="no"), "allow_lossy='no': expected True or False"),
     (lambda: SelectConfig(full_after_filter="no"), "full_after_filter='no'"),
     (lambda: SelectConfig(filter_layers=5), "filter_layers=5: expected a sequence"),

@@ -42,6 +42,8 @@ def check_creatable(path: Path, option: str) -> None:
     is a directory it may write in (checked before a model loads, not after a prefill)."""
     if path.is_dir():
         return
+    if path.exists():
+        raise ValueError(f"{option} {path}: cannot be created, it exists and is not a directory")
     parent = path.absolute().parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent

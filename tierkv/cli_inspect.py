@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .cli_args import check_store_dir
+from .cli_args import check_creatable, check_store_dir
 from .cli_report import human_bytes
 
 MAX_LISTED = 10
@@ -52,8 +52,12 @@ def run_inspect(args) -> int:
     from .storage.disk import DiskTier
 
     check_store_dir(args.dir, "inspect", segments_enough=True)
-    if args.plot is not None and args.plot.suffix.lower() != ".png":
-        raise ValueError(f"--plot {args.plot}: expected a .png file name")
+    if args.plot is not None:  # before the store is read: a picture that cannot be written
+        if args.plot.suffix.lower() != ".png":
+            raise ValueError(f"--plot {args.plot}: expected a .png file name")
+        if args.plot.is_dir():
+            raise ValueError(f"--plot {args.plot}: a directory, not a file name")
+        check_creatable(args.plot.absolute().parent, "--plot")
     with DiskTier(args.dir, read_only=True) as disk:
         health = disk.check()
         docs = survey(disk, health)

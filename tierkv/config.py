@@ -50,6 +50,9 @@ def parse_size(value: int | float | str, field_name: str = "size") -> int:
     if not unit and not number.is_integer():
         raise ValueError(f"{field_name}={value!r}: a byte count must be a whole number "
                          "(or give a unit, e.g. '0.5GB')")
+    if 0 < size < 1:
+        raise ValueError(f"{field_name}={value!r} is {size:g} bytes: less than one byte "
+                         "(0 for none)")
     return int(size)
 
 

@@ -109,6 +109,10 @@ def test_inspect_counts_a_damaged_manifest_and_has_nothing_to_plot_in_an_empty_s
     DiskTier(tmp_path / "empty").close()
     run = tierkv("inspect", tmp_path / "empty", "--plot", tmp_path / "x.png", cwd=work)
     assert run.returncode == 2 and last_line(run.stderr).endswith("holds no document to draw")
+    (tmp_path / "file").write_text("")
+    run = tierkv("inspect", work / "saved", "--plot", tmp_path / "file" / "x.png", cwd=work)
+    assert run.returncode == 2 and f"--plot {tmp_path / 'file'}: cannot be created, it exists " \
+        "and is not a directory" in last_line(run.stderr), run.stderr
 
 
 def test_corrupt_store(saved, tmp_path):
