@@ -29,8 +29,9 @@ KL divergence of full_memory's next-token distribution from the case's (nats), a
 top-1 log-probability minus its second's): a miss at a margin of a few tenths is a near tie,
 and over 64 tokens KL tells budgets apart that top-1 does not (``bench.common.divergence``).
 The page cache of the disk tier's segment files is dropped after prefill. When a case raises
-``TierFullError`` its device budget is raised by the shortfall the error names (at least 10 %)
-and the value used is recorded.
+``TierFullError``, or its device tier would cut a step's selection below the token budget
+(``tierkv.DeviceBudgetWarning``, an error here: the case would measure a smaller budget), its
+device budget is raised by the shortfall named (at least 10 %) and the value used is recorded.
 
 On a machine with CUDA the model, ``full_memory``'s cache and the device tier are on the GPU
 (``TIERKV_BENCH_DEVICE=cpu`` keeps them on the CPU), every timed step ends with a device
@@ -52,6 +53,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -59,7 +61,8 @@ from transformers import DynamicCache
 
 from bench.common import (bench_device, divergence, document_ids, drop_page_cache, log_probs,
                           result_path, sync, write_result)
-from tierkv import SelectConfig, TierConfig, TieredCache, TierFullError, load_model
+from tierkv import (DeviceBudgetWarning, SelectConfig, TierConfig, TieredCache, TierFullError,
+                    load_model)
 from tierkv.config import ChunkConfig
 from tierkv.hf.model import cache_kwargs
 from tierkv.shapes import KVShape
@@ -225,7 +228,7 @@ def drop_disk(cache: TieredCache) -> None:
 
 
 def tiered_case(model, ids, ref, steps, policy, device, host, disk_dir: Path) -> dict:
-    """One TieredCache case; doubles the device budget on TierFullError."""
+    """One TieredCache case; raises the device budget on TierFullError or a selection cut to fit."""
     kv = KVShape.from_config(model.config, dtype=model.dtype).kv_bytes(ids.shape[1] + steps)
     retries = []
     while True:
@@ -236,11 +239,13 @@ def tiered_case(model, ids, ref, steps, policy, device, host, disk_dir: Path) ->
             drop_disk(cache)
             marks.update(stats_marks(cache.stats()))
         try:
-            probs, seconds = run_decode(model, cache, ids, ref, steps, on_prefill, label=policy)
-        except TierFullError as err:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", DeviceBudgetWarning)
+                probs, seconds = run_decode(model, cache, ids, ref, steps, on_prefill, label=policy)
+        except (TierFullError, DeviceBudgetWarning) as err:
             cache.close()
             if device >= kv:
-                return {"error": f"TierFullError: {err}", "device_budget_tried": retries + [device]}
+                return {"error": f"{type(err).__name__}: {err}", "device_budget_tried": retries + [device]}
             retries.append(device)
             device = min(kv, raised(device, str(err)))
             continue
@@ -259,10 +264,13 @@ def tiered_case(model, ids, ref, steps, policy, device, host, disk_dir: Path) ->
 
 
 def raised(device: int, message: str) -> int:
-    """The next device budget after a TierFullError: the shortfall it names, at least 10 %
-    more, rounded up to a MiB."""
+    """The next device budget after a TierFullError or DeviceBudgetWarning: the shortfall it
+    names, at least 10 % more, rounded up to a MiB."""
     found = re.search(r"needs (\d+) B, (-?\d+) B free", message)
     short = int(found.group(1)) - int(found.group(2)) if found else 0
+    wanted = re.search(r"a device budget of (\d+) B", message)
+    if wanted:
+        short = int(wanted.group(1)) - device
     return -(-max(device + short, int(1.1 * device)) // 2**20) * 2**20
 
 

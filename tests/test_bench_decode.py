@@ -78,6 +78,9 @@ def test_a_tier_full_error_raises_the_budget_by_its_shortfall_or_a_tenth():
     message = "device: prefetch:7 needs 9000000 B, 1000000 B free of 10000000: ..."
     assert decode.raised(10_000_000, message) == -(-18_000_000 // 2**20) * 2**20
     assert decode.raised(10_000_000, "some other error") == -(-11_000_000 // 2**20) * 2**20
+    message = ("the device tier (18874368 B) holds 1157 tokens of layer group 3 (layers 3-11) ...: "
+               "a device budget of 23000000 B holds them all (TierConfig.device_budget, ...)")
+    assert decode.raised(18_874_368, message) == -(-23_000_000 // 2**20) * 2**20
 
 
 def test_a_run_cut_short_leaves_its_headline_and_a_complete_run_removes_it(tmp_path, monkeypatch):
