@@ -4,6 +4,11 @@ A group's records are fetched once a step: prefetched while the layers before it
 they are known early (``TieredCache._look_ahead``, ``set_selection``), else in the decoding
 thread when its first layer asks (``fetched``). Their bytes count against the device tier
 from the request on (``prefetch:<group>``, then ``fetch:<group>`` until the group's last layer).
+
+What a step fetches fits the device tier beside every layer's recent window: a selection is
+cut to the room there is (``fit_to_device``), a group read whole that outgrew it is refused
+before the step begins (``check_room``), and a prefetch for later layers gives way to a fetch
+needed now.
 """
 from __future__ import annotations
 
@@ -121,15 +126,18 @@ class GroupFetches:
         per_token = self.shape.token_bytes(len(self.groups[group]))
         return max(0, free // per_token - self.spare_tokens(group))
 
-    def fit_to_device(self, group: int, tokens: int) -> int:
+    def fit_to_device(self, group: int, tokens: int, count: bool = True) -> int:
         """``tokens``, what a policy would have a decode step fetch of ``group``, or as many as
         the device tier holds (``fetch_room``) when fewer: the policy then fills that much (its
         lowest-ranked chunks stay behind) and the step goes on. Such fetches are counted
         (``stats()["trimmed_fetches"]``, ``"trimmed_tokens"``); the first one warns
-        (DeviceBudgetWarning) with the device budget that holds them all."""
+        (DeviceBudgetWarning) with the device budget that holds them all. ``count=False``: a
+        guess at a fetch (a prefill's), cut alike but not counted."""
         room = self.fetch_room(group)
         if room is None or tokens <= room:
             return tokens
+        if not count:
+            return room
         self.trimmed_fetches += 1
         self.trimmed_tokens += tokens - room
         if self.trimmed_fetches == 1:

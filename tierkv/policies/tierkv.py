@@ -157,12 +157,14 @@ class TierKV(OmniKV):
     def prompt_candidates(self, cache, layer, query):
         """A preselecting layer's candidates for ``query``, a prompt's last (None for the
         others): the first decode step's are mostly the same leaves."""
-        return self._candidates(cache, layer, query) if self.preselects(cache, layer) else None
+        return self._candidates(cache, layer, query, fetching=False) \
+            if self.preselects(cache, layer) else None
 
-    def _candidates(self, cache, layer, query):
+    def _candidates(self, cache, layer, query, fetching: bool = True):
         """The leaves ``query`` (q_heads, head_dim) ranks first by their LKA bounds, those the
         layer fetched last ``PRESELECT_STICKINESS`` x the leaves higher, as many as the rule of
-        this module's docstring allows."""
+        this module's docstring allows (``fetching``: for a fetch, which a cut to fit the device
+        tier counts, not a prefill's guess)."""
         index, group = cache.index_of(layer), cache.group_of[layer]
         budget = self.budget(cache)
         if layer < self.filters[0]:  # it attends its own candidates only: the budget's worth
@@ -173,7 +175,7 @@ class TierKV(OmniKV):
             if room is not None:
                 wanted = min(wanted, room)
             candidates = max(PRESELECT_MIN_FACTOR * budget, wanted)
-        candidates = cache.fit_to_device(group, candidates)
+        candidates = cache.fit_to_device(group, candidates, count=fetching)
         scores = index.bound_scores(query)
         last = self._fetched.get(layer)
         if last is not None:  # leaves only ever append here: the indices still name them
