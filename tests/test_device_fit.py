@@ -4,6 +4,7 @@ whole that no longer fits is refused before the step changes anything, so the ca
 saved and reopened with a larger device tier."""
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -124,3 +125,88 @@ def test_a_dense_layer_and_the_choice_after_it_take_turns_on_a_small_device(tmp_
             if isinstance(device, int):
                 assert cache.store.device.peak <= device
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+def windows_of(model, policy: str, select: SelectConfig | None = None) -> int:
+    """Tokens the recent windows of ``model``'s layers reserve under ``policy``."""
+    with TieredCache(model, TierConfig(device_budget="64MB", host_budget="64MB"), policy,
+                     select=select) as probe:
+        return sum(len(layers) * probe.spare_tokens(g) for g, layers in enumerate(probe.groups))
+
+
+def test_streaming_keeps_its_sinks_and_the_most_recent_tokens_that_fit(tmp_path):
+    """``streaming`` at a 99 % budget asks for nearly all of a layer; a device tier holding
+    less beside the windows cuts the oldest recent tokens (one warning) and the steps go on."""
+    model = tiny()
+    select = SelectConfig(budget=0.99)
+    device = (windows_of(model, "streaming", select) + 1000) * PER_TOKEN
+    config = TierConfig(device_budget=device, host_budget="64MB", disk_dir=tmp_path / "kv")
+    with TieredCache(model, config, "streaming", select=select) as cache, torch.no_grad(), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(ids(1000), past_key_values=cache, use_cache=True)
+        assert cache.fetch_room(0) < cache.indexes[0].sealed
+        for step in range(3):
+            model(ids(1, seed=10 + step), past_key_values=cache, use_cache=True)
+        assert sum(issubclass(w.category, DeviceBudgetWarning) for w in caught) == 1
+        assert cache.stats()["trimmed_fetches"] == 3 * 4 and cache.store.device.peak <= device
+        cache.save(tmp_path / "saved")
+
+
+def test_a_group_whose_sink_records_do_not_fit_is_refused_before_the_step(tmp_path):
+    """Whatever a group selects, the records holding its sink tokens come first: a device tier
+    without room for them beside the windows refuses the step before it changes anything, with
+    a device budget that then holds every group's least."""
+    model = tiny(layers=16)
+    select = SelectConfig(budget=0.05, filter_layers=(2,))
+    device = (windows_of(model, "omnikv", select) + 420) * PER_TOKEN
+    config = TierConfig(device_budget=device, host_budget="64MB", disk_dir=tmp_path / "kv")
+    with TieredCache(model, config, "omnikv", select=select) as cache, torch.no_grad():
+        model(ids(180), past_key_values=cache, use_cache=True)
+        assert cache.fetch_room(3) < 8
+        with pytest.raises(TierFullError, match=r"brings layer group 3 \(layers 3-15\)'s sink "
+                                                r"tokens under policy 'omnikv': the 8 tokens") as err:
+            model(ids(1, seed=10), past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length() == 180
+        cache.save(tmp_path / "saved")
+    need = int(re.search(r"a device budget of at least (\d+) B", str(err.value)).group(1))
+    larger = TierConfig(device_budget=need, host_budget="64MB")
+    with TieredCache.open(model, tmp_path / "saved", larger) as cache, torch.no_grad():
+        for step in range(3):
+            model(ids(1, seed=10 + step), past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length() == 183 and cache.store.device.peak <= need
+
+
+def test_a_prompt_after_a_decode_step_takes_the_room_of_its_prefetch(tmp_path):
+    """A decode step ends by prefetching layer 0 for the next step; when the next forward pass
+    is a prompt instead, its prefill needs that room: the prefetch gives way (before, the
+    prompt failed part-way, the cache broken)."""
+    model = tiny(layers=8)
+    device = (windows_of(model, "full") + 800) * PER_TOKEN
+    config = TierConfig(device_budget=device, host_budget="64MB", disk_dir=tmp_path / "kv")
+    with TieredCache(model, config, "full") as cache, torch.no_grad():
+        model(ids(400), past_key_values=cache, use_cache=True)
+        model(ids(1, seed=10), past_key_values=cache, use_cache=True)
+        assert ("prefetch", 0) in cache._step
+        model(ids(40, seed=99), past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length() == 441 and cache.store.device.peak <= device
+        cache.save(tmp_path / "saved")
+
+
+@pytest.mark.parametrize("policy", ["quest", "omnikv"])
+def test_a_budget_above_the_sealed_context_is_no_cut(policy):
+    """A token budget larger than what a group has sealed fetches the whole group, which the
+    device tier holds: no warning, nothing counted, the logits of a large device tier."""
+    model = tiny(layers=4)
+    select = SelectConfig(budget=4096, filter_layers=(1,))
+    logits = []
+    for device in ((windows_of(model, policy, select) + 1300) * PER_TOKEN, "64MB"):
+        config = TierConfig(device_budget=device, host_budget="64MB")
+        with TieredCache(model, config, policy, select=select) as cache, torch.no_grad(), \
+                warnings.catch_warnings():
+            warnings.simplefilter("error", DeviceBudgetWarning)
+            model(ids(600), past_key_values=cache, use_cache=True)
+            logits.append(torch.cat([model(ids(1, seed=10 + step), past_key_values=cache,
+                                           use_cache=True).logits for step in range(3)]))
+            assert cache.stats()["trimmed_fetches"] == 0
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)

@@ -278,7 +278,7 @@ def test_leaf_fill_keeps_the_records_it_moves_within_the_move_factor():
     spec = index.fetch(leaves)
     assert spec.tokens == 24 and spec.positions.tolist() == list(range(20))
     # a device tier that holds 16 of the group's tokens: two records, all of their leaves
-    leaves = omnikv(sinks=4, fetch_unit="leaf")._fill(index, scores, budget, room=16)
+    leaves = omnikv(sinks=4, fetch_unit="leaf")._fill(index, scores, budget, moved=16)
     assert leaves.tolist() == [0, 1, 2, 3] and index.fetch(leaves).tokens == 16
 
 
@@ -292,7 +292,7 @@ def preselecting_cache(index, device: int):
         get_seq_length=lambda: 1040, shape=KVShape(6, KV, DIM), group_of=[0, 1, 2, 2, 2, 2],
         indexes=[index] * 3, spare_tokens=lambda g: 32 + 8,  # window + record tokens
         fetch_ahead=True, policy=SimpleNamespace(name="tierkv"), trimmed_fetches=0,
-        trimmed_tokens=0, _window_tokens=None)
+        trimmed_tokens=0, _window=SimpleNamespace(most_bytes=lambda: 6 * 40 * 64))
     return cache
 
 

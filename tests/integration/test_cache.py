@@ -9,7 +9,6 @@ import torch
 from transformers import DynamicCache
 
 from tierkv import SelectConfig, TierConfig, TieredCache
-from tierkv.hf.window import RecentWindows
 from tierkv.textgen import make_document
 
 from .common import LOGIT_ATOL, generate, saved_document, two_questions
@@ -133,8 +132,10 @@ def test_dense_group_prefetch_starts_a_group_early_when_it_fits(model_and_tok, p
     model, _ = model_and_tok
     ids, _ = passkey_cases[0]
     issued = submissions(monkeypatch)
-    if not early:  # as if the windows might still take all the room there is
-        monkeypatch.setattr(RecentWindows, "growth", lambda self: 1 << 40)
+    if not early:  # as if the device tier had no room while the group before holds its fetch
+        room = TieredCache._room
+        monkeypatch.setattr(TieredCache, "_room", lambda self: 0 if any(
+            kind == "fetch" for kind, _ in self._step) else room(self))
     config = TierConfig(device_budget="64MB", host_budget="1GB")
     with TieredCache(model, config, "omnikv") as cache, torch.no_grad():
         out = model(ids, past_key_values=cache, use_cache=True)

@@ -172,7 +172,6 @@ class TieredCache(GroupFetches, Cache):
         self._thread: int | None = None  # the thread that began it
         self.steps = 0  # decode steps so far: the importance of what a step reads or seals
         self.trimmed_fetches = self.trimmed_tokens = 0  # fetches ``fit_to_device`` cut down
-        self._window_tokens: int | None = None  # the windows' reserved tokens, all layers
         self._pinned: set[int] = set()  # groups whose records were sealed or read as PINNED
         self.token_ids = torch.zeros(1, 0, dtype=torch.long)
         self.snapshot: set | None = None  # disk records of the saved document this cache holds
@@ -246,11 +245,18 @@ class TieredCache(GroupFetches, Cache):
 
     # -- decode -------------------------------------------------------------------------
     def reserve(self, tag: str, nbytes: int) -> None:
-        """Account ``nbytes`` of device memory under ``tag``, evicting cached chunks if needed.
+        """Account ``nbytes`` of device memory under ``tag``, evicting cached chunks if needed,
+        and for what is needed now (not a prefetch) cancelling other groups' prefetches, which
+        are fetched again when their groups ask (``drop_prefetches``).
 
         TierFullError says what the device tier must hold for ``tag`` when it does not fit."""
         try:
-            self.pipeline.cache.reserve(tag, nbytes)
+            try:
+                self.pipeline.cache.reserve(tag, nbytes)
+            except TierFullError:
+                if tag.startswith("prefetch:") or not self.drop_prefetches(tag):
+                    raise
+                self.pipeline.cache.reserve(tag, nbytes)
         except TierFullError as exc:
             raise TierFullError(f"{exc}: {device_need(tag, self.shape.token_bytes(1))}; raise "
                                 "the device budget (TierConfig.device_budget, --device-budget)") from None
@@ -366,9 +372,8 @@ class TieredCache(GroupFetches, Cache):
         if known:
             spec = self.indexes[g].fetch(wanted)
             room = self.fetch_room(g)  # a group read whole past it: the step refuses (check_room)
-            if (room is None or spec.tokens <= room) and (
-                    not early or self._room() >= self._fetch_bytes(g, spec) + self._window.growth()):
-                self.prefetch(g, spec)
+            if room is None or spec.tokens <= room:
+                self.prefetch(g, spec)  # if the windows may still grow beside it
         if g == 0 and not early:
             self.metrics.step_end()
 

@@ -59,7 +59,7 @@ class GroupFetches:
             block = kept[1]
             self.pipeline.refresh(self._plan(g, spec))
         else:  # known only now: fetched in this thread, which would only wait for it
-            self._reserve_now(g, self._fetch_bytes(g, spec))
+            self.reserve(f"fetch:{g}", self._fetch_bytes(g, spec))
             block = self.pipeline.fetch_now(self._plan(g, spec))
         if isinstance(block, Scattered) and self.policy.preselects(self, layer):
             self._kept[g] = (spec.keys, block)
@@ -72,32 +72,29 @@ class GroupFetches:
     def prefetch(self, group: int, spec: Fetch) -> None:
         """Start bringing ``spec``'s records of ``group`` to the device (pipelined, in flight
         while earlier layers compute); its bytes count against the device budget from now.
-        Not when the device tier has no room for them now (another group's prefetch holds it:
-        ``full_after_filter``'s dense layer and the choice for the layers after it): the group
-        then fetches them when its first layer asks."""
+        Not when the device tier has no room for them now beside what the recent windows may
+        still take this step (another group's prefetch holds it: ``full_after_filter``'s dense
+        layer and the choice for the layers after it; a reopened document's windows, not yet
+        grown): the group then fetches them when its first layer asks."""
         if not spec.keys or self._step.get(("prefetch", group), (None,))[0] == spec.keys:
             return
         nbytes = self._fetch_bytes(group, spec)
-        if self._room() < nbytes:
+        if self._room() < nbytes + self._window.growth():
             return
         self.reserve(f"prefetch:{group}", nbytes)
         self._step[("prefetch", group)] = (spec.keys, self.pipeline.submit(self._plan(group, spec)))
 
-    def _reserve_now(self, group: int, nbytes: int) -> None:
-        """Reserve a fetch ``group`` needs now; when the device tier does not hold it beside the
-        other groups' prefetches (for later layers), those are cancelled to make room (their
-        groups fetch when they ask)."""
-        try:
-            self.reserve(f"fetch:{group}", nbytes)
-            return
-        except TierFullError:
-            later = [key for key in self._step if key[0] == "prefetch" and key[1] != group]
-            if not later:
-                raise
+    def drop_prefetches(self, tag: str) -> bool:
+        """Cancel the prefetches of groups other than ``tag``'s (``fetch:<group>``, a window's, a
+        prefill's) and let their bytes go: what is needed now comes before what is fetched
+        ahead. Whether any was dropped."""
+        kind, _, name = tag.partition(":")
+        own = int(name) if kind == "fetch" else None
+        later = [key for key in self._step if key[0] == "prefetch" and key[1] != own]
         for key in later:
             self._step.pop(key)[1].cancel()
             self.store.device.reserve(f"prefetch:{key[1]}", 0)
-        self.reserve(f"fetch:{group}", nbytes)
+        return bool(later)
 
     def _plan(self, group: int, spec: Fetch) -> FetchPlan:
         return FetchPlan([(group, spec.keys)], spare=self.spare_tokens(group),
@@ -110,8 +107,9 @@ class GroupFetches:
 
     def fetch_room(self, group: int) -> int | None:
         """Tokens of ``group``'s sealed KV that one fetch can bring to the device tier beside
-        every layer's recent window (``spare_tokens`` each, reserved as such) and the fetch's
-        own room for the group's window (``_fetch_bytes``); None when the tier has no budget.
+        every layer's recent window (``spare_tokens`` each, or what a reopened one holds,
+        ``RecentWindows.most_bytes``) and the fetch's own room for the group's window
+        (``_fetch_bytes``); None when the tier has no budget.
 
         A group's fetch is on the device with no other group's but a prefetch that found room
         for itself (``TieredCache._look_ahead``), and a filter layer's choice is fetched once
@@ -119,12 +117,13 @@ class GroupFetches:
         budget = self.store.device.budget
         if budget is None:
             return None
-        if self._window_tokens is None:  # fixed for the cache's life
-            self._window_tokens = sum(len(layers) * self.spare_tokens(g)
-                                      for g, layers in enumerate(self.groups))
-        free = budget - self._window_tokens * self.shape.token_bytes(1)
+        return max(0, self._room_short(group, budget))
+
+    def _room_short(self, group: int, budget: int) -> int:
+        """``fetch_room`` before it is held at 0: negative when even the window room the
+        fetch keeps for ``group`` does not fit."""
         per_token = self.shape.token_bytes(len(self.groups[group]))
-        return max(0, free // per_token - self.spare_tokens(group))
+        return (budget - self._window.most_bytes()) // per_token - self.spare_tokens(group)
 
     def fit_to_device(self, group: int, tokens: int, count: bool = True) -> int:
         """``tokens``, what a policy would have a decode step fetch of ``group``, or as many as
@@ -134,42 +133,63 @@ class GroupFetches:
         (DeviceBudgetWarning) with the device budget that holds them all. ``count=False``: a
         guess at a fetch (a prefill's), cut alike but not counted."""
         room = self.fetch_room(group)
-        if room is None or tokens <= room:
+        wanted = min(tokens, self.indexes[group].sealed)  # a fetch brings no more than that
+        if room is None or wanted <= room:
             return tokens
         if not count:
             return room
         self.trimmed_fetches += 1
-        self.trimmed_tokens += tokens - room
+        self.trimmed_tokens += wanted - room
         if self.trimmed_fetches == 1:
             layers = self.groups[group]
-            need = self.store.device.budget + (tokens - room) * self.shape.token_bytes(len(layers))
+            need = self.store.device.budget + (wanted - room) * self.shape.token_bytes(len(layers))
             warnings.warn(
                 f"the device tier ({self.store.device.budget} B) holds {room} tokens of layer group "
                 f"{group} (layers {_span(layers)}) beside the recent windows, fewer than the "
-                f"{tokens} that policy {self.policy.name!r} would fetch at {self.get_seq_length()} "
+                f"{wanted} that policy {self.policy.name!r} would fetch at {self.get_seq_length()} "
                 f"tokens: its fetches attend what fits (counted in stats()['trimmed_fetches']); "
                 f"a device budget of {need} B holds them all (TierConfig.device_budget, "
                 "--device-budget)", DeviceBudgetWarning, stacklevel=2)
         return room
 
     def check_room(self) -> None:
-        """Before a decode step changes anything: TierFullError when a layer group its policy
-        reads whole (every sealed token, whatever the query) no longer fits the device tier
-        beside the recent windows. Raised from the step's middle instead, it would leave the
-        cache unable to go on or be saved; refused here, the cache stays whole."""
+        """Before a decode step changes anything: TierFullError when the device tier no longer
+        holds, beside the recent windows, what a layer group must bring whatever it selects:
+        every sealed token of a group its policy reads whole, or the records holding the sink
+        tokens of any other. Raised from the step's middle instead, it would leave the cache
+        unable to go on or be saved; refused here, the cache stays whole. The error names the
+        first such group and the device budget that holds every group's least."""
+        first, need = None, 0
         for g, layers in enumerate(self.groups):
             room = self.fetch_room(g)
             sealed = self.indexes[g].sealed
-            if room is None or sealed <= room or not self.policy.dense(self, layers[0]):
+            if room is None or sealed <= room:
                 continue
-            need = self.store.device.budget + (sealed - room) * self.shape.token_bytes(len(layers))
-            raise TierFullError(
-                f"a decode step reads layer group {g} (layers {_span(layers)}) whole under policy "
-                f"{self.policy.name!r}: its {sealed} sealed tokens do not fit the device tier "
-                f"({self.store.device.budget} B) beside the recent windows, which holds {room}. "
-                f"Nothing was changed: save the cache (save()) and reopen it (TieredCache.open) "
-                f"with a device budget of at least {need} B, or choose a policy that selects "
-                "(tierkv)")
+            where = f"layer group {g} (layers {_span(layers)})"
+            if self.policy.dense(self, layers[0]):
+                least = sealed
+                what = f"reads {where} whole under policy {self.policy.name!r}: its {sealed} " \
+                       "sealed tokens"
+            else:  # whatever it selects, the records holding the sinks come first
+                cuts = self.indexes[g].tree.record_cuts
+                sinks = min(self.select.sinks, sealed)
+                least = int(cuts[torch.searchsorted(cuts, sinks)]) if sinks else 0
+                what = f"brings {where}'s sink tokens under policy {self.policy.name!r}: the " \
+                       f"{least} tokens of their records"
+            if least <= room:
+                continue
+            first = first or (what, room)
+            short = least - self._room_short(g, self.store.device.budget)
+            need = max(need, self.store.device.budget + short * self.shape.token_bytes(len(layers)))
+        if first is None:
+            return
+        other = "choose a policy that selects (tierkv)" if self.policy.name != "tierkv" \
+            else f"keep smaller recent windows (SelectConfig.window={self.select.window})"
+        raise TierFullError(
+            f"a decode step {first[0]} do not fit the device tier ({self.store.device.budget} B) "
+            f"beside the recent windows, which holds {first[1]}. Nothing was changed: save the "
+            f"cache (save()) and reopen it (TieredCache.open) with a device budget of at least "
+            f"{need} B, or {other}")
 
 
 def _span(layers: tuple[int, ...]) -> str:

@@ -33,6 +33,8 @@ class RecentWindows:
         self._rooms: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(capacity)
         self._capacity = list(capacity)
         self._reserve = reserve
+        self._most: tuple[int, int] | None = None  # (buffers made, most_bytes()) when last summed
+        self._made = 0  # buffers made or replaced so far
 
     def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._windows[layer]
@@ -41,6 +43,7 @@ class RecentWindows:
         """Replace ``layer``'s window (a reopened document's); the caller accounts its bytes."""
         self._windows[layer] = kv
         self._rooms[layer] = None
+        self._made += 1
 
     def __iter__(self):
         return iter(self._windows)
@@ -93,6 +96,19 @@ class RecentWindows:
                          - self.held_bytes(layer))
         return total
 
+    def most_bytes(self) -> int:
+        """Device bytes the windows hold at most before they are next cut: each layer's buffer
+        at its ``capacity``, or what it holds when more (a reopened document's window, kept at
+        its saved length)."""
+        if self._most is None or self._most[0] != self._made:
+            total = 0
+            for layer, tokens in enumerate(self._capacity):
+                k = self._windows[layer][0]
+                full = 2 * k.shape[0] * tokens * k.shape[2] * k.element_size()
+                total += max(full, self.held_bytes(layer))
+            self._most = self._made, total
+        return self._most[1]
+
     def _allocate(self, layer: int, k: torch.Tensor, v: torch.Tensor, tokens: int):
         """A new buffer of ``tokens`` tokens holding ``k``/``v`` first, reserved before it is
         made (TierFullError leaves the window as it was)."""
@@ -103,4 +119,5 @@ class RecentWindows:
         room[0][:, :k.shape[1]].copy_(k)
         room[1][:, :v.shape[1]].copy_(v)
         self._rooms[layer] = room
+        self._made += 1
         return room

@@ -18,7 +18,17 @@ class Streaming(Policy):
         n = cache.layer_length(layer)
         recent = max(self.select.window, self.select.tokens(n) - self.select.sinks)
         ends = index.tree.bounds[1:]
-        return torch.nonzero((index.starts < self.select.sinks) | (ends > n - recent)).flatten()
+        sink = index.starts < self.select.sinks
+        leaves = torch.nonzero(sink | (ends > n - recent)).flatten()
+        sizes = index.tree.sizes[leaves]
+        tokens = int(sizes.sum())
+        fit = cache.fit_to_device(cache.group_of[layer], tokens)
+        if fit < tokens:  # the sinks, then the most recent leaves the device tier holds
+            sink = sink[leaves]
+            room = fit - int(sizes[sink].sum())
+            recent_first = (sizes * ~sink).flip(0).cumsum(0).flip(0)
+            leaves = leaves[sink | (~sink & (recent_first <= room))]
+        return leaves
 
     def dense(self, cache, layer):
         return False

@@ -119,11 +119,16 @@ class TierKV(OmniKV):
 
     def preselects(self, cache, layer):
         """Whether ``layer`` preselects: a filter layer, or one before the first (which
-        ``omnikv`` reads whole), whose group's KV outgrows a quarter of the device tier."""
+        ``omnikv`` reads whole), whose group's KV outgrows a quarter of the device tier, or what
+        the tier holds beside the recent windows."""
         if layer not in self.filters and layer >= self.filters[0]:
             return False
         budget = cache.store.device.budget
-        return budget is not None and cache.group_bytes(layer) > budget // 4
+        if budget is None:
+            return False
+        group = cache.group_of[layer]  # (or no longer fits beside the windows, read whole)
+        return cache.group_bytes(layer) > budget // 4 or \
+            cache.indexes[group].sealed > cache.fetch_room(group)
 
     def ahead(self, cache, layer):
         """With ``cache.fetch_ahead``, a preselecting layer's candidates are known before its
