@@ -210,3 +210,28 @@ def test_a_budget_above_the_sealed_context_is_no_cut(policy):
                                            use_cache=True).logits for step in range(3)]))
             assert cache.stats()["trimmed_fetches"] == 0
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_prompt_whose_prefill_does_not_fit_is_refused_before_it_runs(tmp_path):
+    """A second prompt is prefilled one layer at a time over the layer's whole context. Where
+    the device tier cannot hold that beside the other layers' windows, the prompt is refused
+    before any layer runs (before, its prefill failed part-way and the cache was lost); reopened
+    with the device budget the error names, the same prompt goes through."""
+    model = tiny(layers=8)
+    device = (windows_of(model, "full") + 410) * PER_TOKEN  # a step's 368 sealed tokens fit
+    config = TierConfig(device_budget=device, host_budget="64MB", disk_dir=tmp_path / "kv")
+    question = ids(100, seed=99)
+    with TieredCache(model, config, "full") as cache, torch.no_grad():
+        model(ids(400), past_key_values=cache, use_cache=True)
+        model(ids(1, seed=10), past_key_values=cache, use_cache=True)
+        with pytest.raises(TierFullError, match="a prompt of 100 tokens is prefilled one layer at "
+                                                "a time") as err:
+            model(question, past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length() == 401
+        cache.save(tmp_path / "saved")
+    need = int(re.search(r"a device budget of at least (\d+) B", str(err.value)).group(1))
+    with TieredCache.open(model, tmp_path / "saved", TierConfig(device_budget=need,
+                                                                  host_budget="64MB")) as cache, \
+            torch.no_grad():
+        model(question, past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length() == 501 and cache.store.device.peak <= need

@@ -192,5 +192,32 @@ class GroupFetches:
             f"{need} B, or {other}")
 
 
+    def check_prompt_room(self, new: int) -> None:
+        """Before a prompt of ``new`` tokens is fed to a cache that holds some: TierFullError
+        when a layer's prefill cannot fit the device tier, which holds, while that layer
+        attends, its whole sealed context and its window with the prompt beside the other
+        layers' windows (counted as now reserved: the least they take). Raised from the pass's
+        middle instead, it would leave the cache unable to go on or be saved."""
+        device = self.store.device
+        if device.budget is None:
+            return
+        per_token = self.shape.token_bytes(1)
+        windows = [device.reserved_for(f"window:{layer}") for layer in range(self.shape.layers)]
+        others, worst = sum(windows), None
+        for layer in range(self.shape.layers):
+            tokens = self.indexes[self.group_of[layer]].sealed + self._window[layer][0].shape[1] + new
+            need = others - windows[layer] + tokens * per_token
+            if need > device.budget and (worst is None or need > worst[0]):
+                worst = need, layer, tokens
+        if worst is not None:
+            need, layer, tokens = worst
+            raise TierFullError(
+                f"a prompt of {new} tokens is prefilled one layer at a time, and layer {layer} "
+                f"would hold its {tokens} tokens of context on the device beside the other "
+                f"layers' recent windows: {need} B, more than the device tier's {device.budget} "
+                "B. Nothing was changed: save the cache (save()) and reopen it "
+                f"(TieredCache.open) with a device budget of at least {need} B")
+
+
 def _span(layers: tuple[int, ...]) -> str:
     return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])

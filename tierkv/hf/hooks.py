@@ -72,8 +72,11 @@ def begin_forward(cache, args, kwargs) -> None:
                          f"but its forward pass was given {given}: pass cache=cache "
                          "(past_key_values=), or close() the cache first")
     new = check_forward(cache.get_seq_length(), cache.sliding_window, args, kwargs)
-    if new == 1 and cache.get_seq_length():
-        cache.check_room()  # a group read whole that no longer fits: refused, nothing changed
+    if new is not None and cache.get_seq_length():  # what would not fit: refused, nothing changed
+        if new == 1:
+            cache.check_room()
+        else:
+            cache.check_prompt_room(new)
     threads = cache.decode_threads if new == 1 else None
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                 or threads < 1):
