@@ -235,3 +235,26 @@ def test_a_prompt_whose_prefill_does_not_fit_is_refused_before_it_runs(tmp_path)
             torch.no_grad():
         model(question, past_key_values=cache, use_cache=True)
         assert cache.get_seq_length() == 501 and cache.store.device.peak <= need
+
+
+def test_a_document_reopened_with_a_smaller_window_counts_the_windows_it_holds(tmp_path):
+    """Reopened with ``window=4``, a document's restored windows (32 tokens) are larger than
+    the new window's buffers: the room a selection is cut to counts them as they are, and the
+    steps go on (before, a selection cut to the room did not fit beside them: TierFullError
+    mid-step)."""
+    model = tiny(layers=16)
+    select = SelectConfig(budget=0.5, filter_layers=(2,))
+    config = TierConfig(device_budget="64MB", host_budget="64MB", disk_dir=tmp_path / "kv")
+    with TieredCache(model, config, "tierkv", select=select) as cache, torch.no_grad():
+        model(ids(1000), past_key_values=cache, use_cache=True)
+        cache.save(tmp_path / "saved")
+    small = SelectConfig(budget=0.5, filter_layers=(2,), window=4)
+    device = (windows_of(model, "tierkv", small) + 1300) * PER_TOKEN
+    with TieredCache.open(model, tmp_path / "saved", TierConfig(device_budget=device,
+                                                                  host_budget="64MB"),
+                          select=small) as cache, torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeviceBudgetWarning)  # the half budget is cut: expected
+        for step in range(3):
+            model(ids(1, seed=10 + step), past_key_values=cache, use_cache=True)
+        assert cache.stats()["trimmed_fetches"] > 0 and cache.store.device.peak <= device
+        cache.save(tmp_path / "again")
