@@ -125,6 +125,12 @@ class GroupFetches:
         per_token = self.shape.token_bytes(len(self.groups[group]))
         return (budget - self._window.most_bytes()) // per_token - self.spare_tokens(group)
 
+    def _budget_for(self, group: int, tokens: int) -> int:
+        """The device budget whose ``fetch_room(group)`` is at least ``tokens``."""
+        budget = self.store.device.budget
+        short = tokens - self._room_short(group, budget)
+        return budget + max(0, short) * self.shape.token_bytes(len(self.groups[group]))
+
     def fit_to_device(self, group: int, tokens: int, count: bool = True) -> int:
         """``tokens``, what a policy would have a decode step fetch of ``group``, or as many as
         the device tier holds (``fetch_room``) when fewer: the policy then fills that much (its
@@ -142,7 +148,7 @@ class GroupFetches:
         self.trimmed_tokens += wanted - room
         if self.trimmed_fetches == 1:
             layers = self.groups[group]
-            need = self.store.device.budget + (wanted - room) * self.shape.token_bytes(len(layers))
+            need = self._budget_for(group, wanted)
             warnings.warn(
                 f"the device tier ({self.store.device.budget} B) holds {room} tokens of layer group "
                 f"{group} (layers {_span(layers)}) beside the recent windows, fewer than the "
@@ -165,22 +171,22 @@ class GroupFetches:
             sealed = self.indexes[g].sealed
             if room is None or sealed <= room:
                 continue
-            where = f"layer group {g} (layers {_span(layers)})"
-            if self.policy.dense(self, layers[0]):
+            dense = self.policy.dense(self, layers[0])
+            if dense:
                 least = sealed
-                what = f"reads {where} whole under policy {self.policy.name!r}: its {sealed} " \
-                       "sealed tokens"
             else:  # whatever it selects, the records holding the sinks come first
                 cuts = self.indexes[g].tree.record_cuts
                 sinks = min(self.select.sinks, sealed)
                 least = int(cuts[torch.searchsorted(cuts, sinks)]) if sinks else 0
-                what = f"brings {where}'s sink tokens under policy {self.policy.name!r}: the " \
-                       f"{least} tokens of their records"
             if least <= room:
                 continue
-            first = first or (what, room)
-            short = least - self._room_short(g, self.store.device.budget)
-            need = max(need, self.store.device.budget + short * self.shape.token_bytes(len(layers)))
+            need = max(need, self._budget_for(g, least))
+            if first is None:
+                where = f"layer group {g} (layers {_span(layers)})"
+                first = (f"reads {where} whole under policy {self.policy.name!r}: its {sealed} "
+                         "sealed tokens" if dense else
+                         f"brings {where}'s sink tokens under policy {self.policy.name!r}: the "
+                         f"{least} tokens of their records"), room
         if first is None:
             return
         other = "choose a policy that selects (tierkv)" if self.policy.name != "tierkv" \
@@ -190,7 +196,6 @@ class GroupFetches:
             f"beside the recent windows, which holds {first[1]}. Nothing was changed: save the "
             f"cache (save()) and reopen it (TieredCache.open) with a device budget of at least "
             f"{need} B, or {other}")
-
 
     def check_prompt_room(self, new: int) -> None:
         """Before a prompt of ``new`` tokens is fed to a cache that holds some: TierFullError

@@ -89,25 +89,22 @@ class RecentWindows:
     def growth(self) -> int:
         """Device bytes the windows may still reserve before they are next cut, each growing to
         its ``capacity``."""
-        total = 0
-        for layer, tokens in enumerate(self._capacity):
-            k = self._windows[layer][0]
-            total += max(0, 2 * k.shape[0] * tokens * k.shape[2] * k.element_size()
-                         - self.held_bytes(layer))
-        return total
+        return sum(max(0, self._full_bytes(layer) - self.held_bytes(layer))
+                   for layer in range(len(self._capacity)))
 
     def most_bytes(self) -> int:
         """Device bytes the windows hold at most before they are next cut: each layer's buffer
         at its ``capacity``, or what it holds when more (a reopened document's window, kept at
         its saved length)."""
         if self._most is None or self._most[0] != self._made:
-            total = 0
-            for layer, tokens in enumerate(self._capacity):
-                k = self._windows[layer][0]
-                full = 2 * k.shape[0] * tokens * k.shape[2] * k.element_size()
-                total += max(full, self.held_bytes(layer))
-            self._most = self._made, total
+            self._most = self._made, sum(max(self._full_bytes(layer), self.held_bytes(layer))
+                                         for layer in range(len(self._capacity)))
         return self._most[1]
+
+    def _full_bytes(self, layer: int) -> int:
+        """Device bytes of ``layer``'s buffer at its ``capacity``."""
+        k = self._windows[layer][0]
+        return 2 * k.shape[0] * self._capacity[layer] * k.shape[2] * k.element_size()
 
     def _allocate(self, layer: int, k: torch.Tensor, v: torch.Tensor, tokens: int):
         """A new buffer of ``tokens`` tokens holding ``k``/``v`` first, reserved before it is
