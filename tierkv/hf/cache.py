@@ -175,7 +175,7 @@ class TieredCache(GroupFetches, Cache):
         self._pinned: set[int] = set()  # groups whose records were sealed or read as PINNED
         self.token_ids = torch.zeros(1, 0, dtype=torch.long)
         self.snapshot: set | None = None  # disk records of the saved document this cache holds
-        self.prefill_blocks = self.prefill_ahead = None  # a group's records, the next's (prefill.py)
+        self.prefill_staged = self.prefill_ahead = None  # layers' sealed KV, the next (prefill.py)
         self.prompt_mass: dict[int, torch.Tensor] = {}  # layer -> its recent queries' attention
         self.prompt_query: dict[int, torch.Tensor] = {}  # layer -> the prompt's last query (CPU)
         self.reader = worker_pool(1, "tierkv-helper")  # prefill's reads
@@ -457,7 +457,7 @@ class TieredCache(GroupFetches, Cache):
             return
         self._uninstall()
         self.reader.shutdown(wait=True, cancel_futures=True)
-        self.prefill_blocks = self.prefill_ahead = None
+        self.prefill_staged = self.prefill_ahead = None
         self._kept.clear()
         self.pipeline.close()
         disk = self.store.disk

@@ -28,6 +28,8 @@ either way.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..attention import causal_attention, recent_query_mass
@@ -61,54 +63,126 @@ def prefill_attention(cache, layer: int, q: torch.Tensor, scaling: float) -> tor
     return out
 
 
+class _Pass(NamedTuple):
+    """Consecutive layers of one group whose sealed records are held for a continuing prompt."""
+
+    group: int
+    keys: tuple  # the group's records when they were read
+    layers: tuple[int, ...]
+    parts: list  # per record (k, v), shape (len(layers), kv_heads, tokens, head_dim) each
+    left: set  # the layers that have not attended yet
+    read: int  # bytes of ``parts`` read from disk (new memory)
+
+
 def sealed_layer_kv(cache, layer: int):
     """All sealed K and V of one layer, shape (kv_heads, sealed, head_dim) each, on the device.
 
-    Records hold a whole layer group: they are read once per forward into host memory (a few
-    at a time) and each layer of the group copies only its own slice to the device, so no more
-    than one layer's KV is on the device and no record is read twice.
+    Records hold a whole layer group, and a continuing prompt attends over each layer's whole
+    KV: the group's records are read a few at a time, and each layer copies its own slice to the
+    device (counted there, ``prefill:<layer>``). Records the memory tiers hold are used where
+    they lie. Those read from disk are new host memory, so of them only the slices of one pass
+    of the group's layers are kept: as many layers as the host budget holds. A group whose
+    records on disk fit is read once, a larger one in passes, each reading its records again;
+    beyond the tiers the prefill holds at most the host budget (and the ~8 MB batch being read).
+    It held a whole group and read the next one ahead: 40 % of the KV for ``tierkv``'s last
+    group on SmolLM2, whatever the host budget. The next pass is read in the background when
+    the two fit together.
     """
-    g, slot = cache.group_of[layer], cache.slot_of[layer]
-    blocks = _group_blocks(cache, g)
-    if not blocks:
+    g = cache.group_of[layer]
+    spec = cache.indexes[g].fetch(None)
+    if not spec.keys:
         empty = torch.zeros(cache.shape.kv_heads, 0, cache.shape.head_dim, dtype=cache.shape.dtype,
                             device=cache.device)
         return empty, empty
-    k = torch.cat([b.keys[slot] for b in blocks], dim=1).to(cache.device)
-    v = torch.cat([b.values[slot] for b in blocks], dim=1).to(cache.device)
-    if layer == cache.groups[g][-1]:
-        cache.prefill_blocks = None
+    held = _staged(cache, g, layer, spec)
+    i = held.layers.index(layer)
+    k = torch.cat([part[0][i] for part in held.parts], dim=1).to(cache.device)
+    v = torch.cat([part[1][i] for part in held.parts], dim=1).to(cache.device)
+    held.left.discard(layer)
+    if not held.left:
+        cache.prefill_staged = None
     return k, v
 
 
-def _group_blocks(cache, g: int):
-    """The sealed records of group ``g`` on the host, read once per forward; the next group's
-    are read in the background meanwhile (a new turn over a saved or long document is mostly
-    reading)."""
-    keys = tuple(cache.indexes[g].fetch(None).keys)
-    held = cache.prefill_blocks
-    if held is not None and held[0] == (g, keys):
-        return held[1]
+def _staged(cache, g: int, layer: int, spec) -> _Pass:
+    """The pass holding ``layer`` (read now unless read ahead)."""
+    held = cache.prefill_staged
+    if held is not None and (held.group, held.keys) == (g, spec.keys) and layer in held.left:
+        return held
+    cache.prefill_staged = None  # what is left of it is not needed: let it go before reading
     ahead, cache.prefill_ahead = cache.prefill_ahead, None
-    if ahead is not None and ahead[0] == (g, keys):
-        blocks = ahead[1].result()
+    if ahead is not None and ahead[0] == (g, spec.keys) and ahead[1][0] == layer:
+        layers, read, parts = ahead[1], ahead[2], ahead[3].result()
     else:
         if ahead is not None:
-            ahead[1].cancel()
-        blocks = _read_group(cache, g, keys)
-    cache.prefill_blocks = ((g, keys), blocks)
-    if g + 1 < len(cache.groups):
-        following = tuple(cache.indexes[g + 1].fetch(None).keys)
-        if following:
-            cache.prefill_ahead = ((g + 1, following),
-                                   cache.reader.submit(_read_group, cache, g + 1, following))
-    return blocks
+            ahead[3].cancel()
+        layers, read = _pass_layers(cache, g, layer, spec)
+        parts = _stage(cache, g, spec, layers)
+    cache.prefill_staged = held = _Pass(g, spec.keys, layers, parts, set(layers), read)
+    _read_ahead(cache)
+    return held
 
 
-def _read_group(cache, g: int, keys) -> list:
+def _pass_layers(cache, g: int, first: int, spec) -> tuple[tuple[int, ...], int]:
+    """Group ``g``'s layers from ``first`` on whose slices of the records only the disk holds
+    fit the host budget (at least one layer), and the bytes of those slices."""
+    on_disk = sum(key.end - key.start for key, (block, _)
+                  in zip(spec.keys, cache.store.locate(spec.keys)) if block is None)
+    per_layer = cache.shape.token_bytes(1) * on_disk
+    rest = cache.groups[g][cache.groups[g].index(first):]
+    layers = tuple(rest[:max(1, cache.store.host.budget // max(1, per_layer))])
+    return layers, per_layer * len(layers)
+
+
+def _stage(cache, g: int, spec, layers: tuple[int, ...]) -> list:
+    """Per record of group ``g`` (``spec``, a ``Fetch`` of all of them) its K and V of
+    ``layers`` (consecutive layers of the group), on the host: the memory tiers' blocks where
+    they lie, disk records read in batches of about ``FETCH_BATCH_BYTES``, each batch let go
+    but for those layers' slices."""
+    first = cache.slot_of[layers[0]]
+    part = slice(first, first + len(layers))
+    whole = len(layers) == len(cache.groups[g])
     per_record = max(1, cache.shape.token_bytes(len(cache.groups[g])) * cache.record_tokens[g])
     step = max(1, FETCH_BATCH_BYTES // per_record)
-    return [b for i in range(0, len(keys), step) for b in cache.store.fetch(keys[i:i + step], "cpu")]
+    parts = []
+    for i in range(0, len(spec.keys), step):
+        keys = spec.keys[i:i + step]
+        found = [block for block, _ in cache.store.locate(keys)]
+        read = iter(cache.store.fetch([key for key, block in zip(keys, found) if block is None],
+                                      "cpu"))
+        for block in found:
+            if block is None:
+                block = next(read)
+                if not whole:  # a copy of the slice: the rest of the block is let go
+                    parts.append((block.keys[part].clone(), block.values[part].clone()))
+                    continue
+            block = block.to("cpu")
+            parts.append((block.keys[part], block.values[part]))
+    return parts
+
+
+def _read_ahead(cache) -> None:
+    """Start reading the pass after the one just staged in the background when what the two
+    may read from disk fits the host budget (a pass is held until its last layer attends)."""
+    held = cache.prefill_staged
+    if held is None or cache.prefill_ahead is not None:
+        return
+    group = cache.groups[held.group]
+    if held.layers[-1] != group[-1]:
+        nxt, first = held.group, group[group.index(held.layers[-1]) + 1]
+    elif held.group + 1 < len(cache.groups):
+        nxt, first = held.group + 1, cache.groups[held.group + 1][0]
+    else:
+        return
+    spec = cache.indexes[nxt].fetch(None)
+    if not spec.keys:
+        return
+    layers = _pass_layers(cache, nxt, first, spec)[0]
+    read = len(layers) * cache.shape.token_bytes(1) * spec.tokens  # were all on disk by then:
+    if held.read + read > cache.store.host.budget:  # this prompt's seals spill host records
+        return
+    cache.prefill_ahead = ((nxt, spec.keys), layers, read,
+                           cache.reader.submit(_stage, cache, nxt, spec, layers))
 
 
 def prompt_ranks(cache, g: int, start: int, count: int, hot: float, ranked: bool) -> list[float]:
