@@ -83,7 +83,8 @@ def sealed_layer_kv(cache, layer: int):
     they lie. Those read from disk are new host memory, so of them only the slices of one pass
     of the group's layers are kept: as many layers as the host budget holds. A group whose
     records on disk fit is read once, a larger one in passes, each reading its records again;
-    beyond the tiers the prefill holds at most the host budget (and the ~8 MB batch being read).
+    beyond the tiers the prefill holds at most the host budget, or one layer's slices where that
+    is more (and the ~8 MB batch being read).
     It held a whole group and read the next one ahead: 40 % of the KV for ``tierkv``'s last
     group on SmolLM2, whatever the host budget. The next pass is read in the background when
     the two fit together.
@@ -124,11 +125,13 @@ def _staged(cache, g: int, layer: int, spec) -> _Pass:
 
 
 def _pass_layers(cache, g: int, first: int, spec) -> tuple[tuple[int, ...], int]:
-    """Group ``g``'s layers from ``first`` on whose slices of the records only the disk holds
-    fit the host budget (at least one layer), and the bytes of those slices."""
-    on_disk = sum(key.end - key.start for key, (block, _)
-                  in zip(spec.keys, cache.store.locate(spec.keys)) if block is None)
-    per_layer = cache.shape.token_bytes(1) * on_disk
+    """Group ``g``'s layers from ``first`` on whose slices of the records that are new host
+    memory (read from disk, or copied from a GPU's device tier) fit the host budget (at least
+    one layer), and the bytes of those slices."""
+    found = cache.store.locate(spec.keys)
+    new = sum(key.end - key.start for key, (block, _) in zip(spec.keys, found)
+              if block is None or block.keys.device.type != "cpu")
+    per_layer = cache.shape.token_bytes(1) * new
     rest = cache.groups[g][cache.groups[g].index(first):]
     layers = tuple(rest[:max(1, cache.store.host.budget // max(1, per_layer))])
     return layers, per_layer * len(layers)
@@ -156,21 +159,24 @@ def _stage(cache, g: int, spec, layers: tuple[int, ...]) -> list:
                 if not whole:  # a copy of the slice: the rest of the block is let go
                     parts.append((block.keys[part].clone(), block.values[part].clone()))
                     continue
-            block = block.to("cpu")
-            parts.append((block.keys[part], block.values[part]))
+            # in place on the host; from a GPU's device tier only the slice is copied
+            parts.append((block.keys[part].to("cpu"), block.values[part].to("cpu")))
     return parts
 
 
 def _read_ahead(cache) -> None:
     """Start reading the pass after the one just staged in the background when what the two
-    may read from disk fits the host budget (a pass is held until its last layer attends)."""
+    may read from disk fits the host budget (a pass is held until its last layer attends); the
+    next group's only where the disk's records are lossless."""
     held = cache.prefill_staged
     if held is None or cache.prefill_ahead is not None:
         return
     group = cache.groups[held.group]
     if held.layers[-1] != group[-1]:
         nxt, first = held.group, group[group.index(held.layers[-1]) + 1]
-    elif held.group + 1 < len(cache.groups):
+    elif held.group + 1 < len(cache.groups) and not cache.store.config.codec.allow_lossy:
+        # this group's seal, before the next group's first layer, spills host records: read
+        # before it, a record is the host's exact copy, after it, a lossy codec's disk copy
         nxt, first = held.group + 1, cache.groups[held.group + 1][0]
     else:
         return
