@@ -49,7 +49,7 @@ class KVShape:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def token_bytes(self, layers: int | None = None) -> int:
         """Bytes of K and V for one token over ``layers`` layers (default: all)."""
