@@ -84,10 +84,9 @@ def sealed_layer_kv(cache, layer: int):
     of the group's layers are kept: as many layers as the host budget holds. A group whose
     records on disk fit is read once, a larger one in passes, each reading its records again;
     beyond the tiers the prefill holds at most the host budget, or one layer's slices where that
-    is more (and the ~8 MB batch being read).
-    It held a whole group and read the next one ahead: 40 % of the KV for ``tierkv``'s last
-    group on SmolLM2, whatever the host budget. The next pass is read in the background when
-    the two fit together.
+    is more (and the ~8 MB batch being read). It held a whole group and read the next one
+    ahead: 40 % of the KV for ``tierkv``'s last group on SmolLM2, whatever the host budget. The
+    next pass is read in the background when the two fit together (``_read_ahead``).
     """
     g = cache.group_of[layer]
     spec = cache.indexes[g].fetch(None)
