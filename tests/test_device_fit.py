@@ -9,25 +9,9 @@ import warnings
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from tierkv import DeviceBudgetWarning, SelectConfig, TierConfig, TieredCache, TierFullError
-
-PER_TOKEN = 2 * 2 * 8 * 4  # keys and values, 2 kv heads of 8, fp32: bytes a token and layer
-
-
-def tiny(layers: int = 4) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=64, vocab_size=64)
-    config._name_or_path = "tiny"
-    return LlamaForCausalLM(config).eval()
-
-
-def ids(n: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
+from tinyllama import PER_TOKEN, ids, tiny
 
 
 def test_a_selection_the_device_tier_does_not_hold_is_cut_to_what_fits(tmp_path):

@@ -6,27 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (BertConfig, BertForMaskedLM, DynamicCache, GptOssConfig, GptOssForCausalLM,
-                          LlamaConfig, LlamaForCausalLM)
+from transformers import (BertConfig, BertForMaskedLM, DynamicCache, GptOssConfig,
+                          GptOssForCausalLM)
 
 from tierkv import TierConfig, TieredCache
 from tierkv.hf.model import ModelLoadError, load_model
 from tierkv.hf.profile import save_profile
+from tinyllama import ids, tiny
 
 SMALL = dict(num_hidden_layers=4, hidden_size=32, num_attention_heads=4, intermediate_size=64,
              vocab_size=64)
 TIERS = dict(device_budget="8MB", host_budget="8MB")
-
-
-def tiny(seed: int = 0, **over) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(**{**SMALL, "num_key_value_heads": 2, **over})
-    config._name_or_path = "tiny"
-    return LlamaForCausalLM(config).eval()
-
-
-def ids(n: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("make, message", [

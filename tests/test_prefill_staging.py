@@ -9,25 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 import tierkv.hf.prefill as prefill
 from tierkv import SelectConfig, TierConfig, TieredCache
+from tinyllama import PER_TOKEN, ids, tiny
 
-PER_TOKEN = 2 * 2 * 8 * 4  # keys and values, 2 kv heads of 8, fp32: bytes a token and layer
 SELECT = SelectConfig(budget=0.25, filter_layers=(2,))  # groups (0,) (1,) (2,) (3..15)
-
-
-def tiny(layers: int = 16) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=64, vocab_size=64)
-    config._name_or_path = "tiny"
-    return LlamaForCausalLM(config).eval()
-
-
-def ids(n: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
 class Watch:
@@ -83,9 +71,9 @@ def test_a_continuing_prompt_holds_what_it_reads_from_disk_within_the_host_budge
                                                                                  monkeypatch):
     host = 3 * 610 * PER_TOKEN  # three layers of the sealed context
     small = TierConfig(device_budget="64MB", host_budget=host, disk_dir=tmp_path / "small")
-    logits, watch = continued(tiny(), small, tmp_path, monkeypatch)
+    logits, watch = continued(tiny(16), small, tmp_path, monkeypatch)
     large = TierConfig(device_budget="64MB", host_budget="64MB", disk_dir=tmp_path / "large")
-    reference, _ = continued(tiny(), large, tmp_path)
+    reference, _ = continued(tiny(16), large, tmp_path)
     assert 0 < watch.most <= host  # before: 13 layers of records held at once
     group3 = [layers for g, layers in watch.passes if g == 3]
     assert len(group3) >= 4 and sorted(sum(group3, ())) == list(range(3, 16))
@@ -95,7 +83,7 @@ def test_a_continuing_prompt_holds_what_it_reads_from_disk_within_the_host_budge
 def test_a_continuing_prompt_gives_the_logits_of_one_prefill_of_both(tmp_path):
     """In passes or not, the second prompt's layers attend over every sealed token exactly:
     its logits are plain transformers' over both prompts at once (summation order aside)."""
-    model = tiny()
+    model = tiny(16)
     first, second = ids(600), ids(40, seed=3)
     with torch.no_grad():
         plain = model(torch.cat([first, second], dim=1), cache=DynamicCache(),
@@ -112,7 +100,7 @@ def test_a_continuing_prompt_gives_the_logits_of_one_prefill_of_both(tmp_path):
 def test_a_reopened_document_read_in_passes_answers_as_read_whole(tmp_path, host_layers):
     """A saved document reopened: all of its records are on disk. With a host tier of one layer,
     every layer of the 13-layer group is its own pass; the next prompt's logits are the same."""
-    model = tiny()
+    model = tiny(16)
     saved = tmp_path / "saved"
     config = TierConfig(device_budget="64MB", host_budget="64MB", disk_dir=tmp_path / "kv")
     with TieredCache(model, config, "tierkv", select=SELECT) as cache, torch.no_grad():
@@ -138,7 +126,7 @@ def test_with_a_lossy_disk_codec_the_read_ahead_does_not_change_what_a_prompt_se
 
     from tierkv.config import CodecConfig
 
-    model, stage = tiny(), prefill._stage
+    model, stage = tiny(16), prefill._stage
 
     def late(*args):
         if threading.current_thread() is not threading.main_thread():

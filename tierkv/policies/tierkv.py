@@ -37,12 +37,12 @@ The candidates also stay within what the device tier holds beside every layer's 
 (``TieredCache.fetch_room``), down to ``PRESELECT_MIN_FACTOR`` x the budget, and below that only
 where the tier does not hold it (``fit_to_device``: cut, with a warning). A filter layer's
 candidates and the chunks it chooses for the layers after it are never on the device together
-(``TieredCache.set_selection`` fetches the choice once the candidates are let go), so a device
-tier of 5 % of the KV holds the whole 40 % at 8K. Measured with ``bench.decode --cases tierkv`` (8,128 tokens, device 5 % of the
-KV, 10 % budget, 64 steps, one process each): candidates held to what fit beside that fetch, as
-before (20 % of the context): top-1 agreement 0.828, 4.21 MB read from disk per token, 1.13x
-full memory in the paired run; the whole 40 %: 0.906, 7.36 MB, 0.90x. Before the fetch waited,
-the case needed a device tier of 5.6 % (candidates 33 %: 0.922, 5.62 MB, 1.00x).
+(``TieredCache.set_selection`` fetches the choice once the candidates are let go), so a device tier
+of 5 % of the KV holds the whole 40 % at 8K. Measured with ``bench.decode --cases tierkv`` (8,128
+tokens, device 5 % of the KV, 10 % budget, 64 steps, one process each): candidates held to what fit
+beside that fetch, as before (20 % of the context): top-1 agreement 0.828, 4.21 MB read from disk
+per token, 1.13x full memory in the paired run; the whole 40 %: 0.906, 7.36 MB, 0.90x. Before the
+fetch waited, the case needed a device tier of 5.6 % (candidates 33 %: 0.922, 5.62 MB, 1.00x).
 
 The candidates depend on the query, so their fetch waited for it: at 8K on the CPU, 2 ms a step
 for each of layers 0 and 1 and 4 ms for each filter layer, 16 of the step's 20 ms of stall.
