@@ -224,7 +224,7 @@ def main(argv=None) -> dict:
         at = budgets["0.1"]
         print(f"{name:24s}" + "".join(f"{budgets[str(b)]['top1_agreement']:8.3f}" for b in BUDGETS)
               + f"   {at['moved_tokens']:.3f} / {at['moved_chunks']:.3f}")
-    print(write_result("ceiling", result))
+    print(write_result("ceiling", result, args.quick))
     return result
 
 

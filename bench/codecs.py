@@ -111,7 +111,7 @@ def main() -> None:
     natives = bench_native(nbytes=(32 if args.quick else 128) << 20)
     _print_tables(codecs, natives)
     path = write_result("codecs", {"tokens": tokens, "shape": list(keys.shape),
-                                   "codecs": codecs, "native": natives})
+                                   "codecs": codecs, "native": natives}, args.quick)
     print(f"wrote {path}")
 
 

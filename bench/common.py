@@ -150,16 +150,20 @@ def machine() -> dict:
             "gpu": gpu, "device": str(bench_device()), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def result_path(name: str) -> Path:
-    """``bench/results/<name>.json``, or ``<name>.gpu.json`` when the bench runs on a GPU."""
-    return RESULTS / f"{name}{'.gpu' if bench_device().type == 'cuda' else ''}.json"
+def result_path(name: str, quick: bool = False, suffix: str = ".json") -> Path:
+    """``bench/results/<name>.json``; ``<name>.quick.json`` for a ``--quick`` run, so that a smoke
+    check never replaces a full run's figures; ``.gpu`` before the suffix when the bench runs on
+    a GPU."""
+    variant = (".quick" if quick else "") + (".gpu" if bench_device().type == "cuda" else "")
+    return RESULTS / f"{name}{variant}{suffix}"
 
 
-def write_result(name: str, data: dict) -> Path:
-    """Write ``bench/results/<name>.json`` (atomically) with the machine description added; a
-    run on a GPU writes ``<name>.gpu.json``, beside the CPU machine's figures."""
+def write_result(name: str, data: dict, quick: bool = False) -> Path:
+    """Write ``result_path(name, quick)`` (atomically) with the machine description added: a
+    quick run writes ``<name>.quick.json``, a run on a GPU ``<name>.gpu.json``, beside the CPU
+    machine's full-size figures."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = result_path(name)
+    path = result_path(name, quick)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({"machine": machine(), **data}, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)

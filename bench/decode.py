@@ -432,7 +432,8 @@ def main(argv=None) -> dict:
                     del models
                     print(f"fetch_ahead: {compared}", flush=True)
             if not args.cases:  # what a run cut short (a GPU lent for minutes) still leaves
-                write_result("decode.partial", {**summary(cases, paired, config), "partial": True})
+                write_result("decode.partial", {**summary(cases, paired, config), "partial": True},
+                             args.quick)
         again, _ = full_memory_case(model, ids, steps)
         runs = [cases["full_memory"]["ms_per_token"], again["ms_per_token"]]
         cases["full_memory"].update({"ms_per_token": sum(runs) / 2, "ms_per_token_runs": runs})
@@ -447,8 +448,8 @@ def main(argv=None) -> dict:
     print_table(cases)
     print({k: result[k] for k in ("speedup_vs_full_memory", "speedup_vs_brute_offload",
                                   "speedup_vs_offloaded", "disk_read_frac", "full_memory_drift")})
-    print(write_result("decode", result))
-    result_path("decode.partial").unlink(missing_ok=True)  # the complete run replaces it
+    print(write_result("decode", result, args.quick))
+    result_path("decode.partial", args.quick).unlink(missing_ok=True)  # the complete run replaces it
     return result
 
 

@@ -373,7 +373,7 @@ def main(argv=None) -> dict:
             print(f"{case:>20} {disk:>18}: chose hot {r['chosen_hot']} cold {r['chosen_cold']}; "
                   f"median fetch_s {r['fetch_s']}; fastest_or_tied {r['fastest_or_tied']}")
     print(f"choices differ across disks: {result['codec_choice_differs']}")
-    print(write_result("pipeline", result))
+    print(write_result("pipeline", result, args.quick))
     return result
 
 

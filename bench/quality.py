@@ -282,7 +282,7 @@ def main(argv=None) -> dict:
             print(f"{policy} at {wall:.0f} s: {json.dumps(result['policies'][policy])}", flush=True)
             if not args.policies:  # written after each policy: a cut-short run keeps the rest
                 result.update(complete=policy == POLICIES[-1], wall_s=round(wall, 1))
-                path = write_result("quality", result)
+                path = write_result("quality", result, args.quick)
     print(table(result["policies"]))
     if not args.policies:
         print(path)

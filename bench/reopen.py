@@ -109,7 +109,7 @@ def main() -> None:
         run = subprocess.run(command, capture_output=True, text=True, check=True)
         timed = json.loads(run.stdout.strip().splitlines()[-1])
     result = {"quick": args.quick, "tokens": tokens, **saved, **timed}
-    path = write_result("reopen", result)
+    path = write_result("reopen", result, args.quick)
     print(f"{saved['document_tokens']} tokens: reopen + first token {timed['reopen_s']:.2f} s, "
           f"prefill + first token {timed['prefill_s']:.2f} s, ratio {timed['ratio']:.3f} "
           f"(target < 0.1), same first token: {timed['same_first_token']}  -> {path}")

@@ -238,12 +238,10 @@ def render(results: dict[str, dict]) -> str:
         base, _, variant = name.partition(".")
         return (ORDER.index(base) if base in ORDER else len(ORDER), base, variant)
 
-    for name in sorted(results, key=order):
-        base, _, variant = name.partition(".")
-        gpu = results[name].get("machine", {}).get("gpu")
-        label = name if not variant else f"{base} ({gpu or variant})"
-        if "partial" in variant:
-            label = f"{base} ({', '.join(filter(None, (gpu, 'partial: a run cut short')))})"
+    shown = [name for name in results if not superseded(name, results)]
+    for name in sorted(shown, key=order):
+        base = name.partition(".")[0]
+        label = variant_label(name, results[name].get("machine", {}).get("gpu"))
         renderer = RENDERERS.get(base)
         if renderer is None:
             lines.append(f"| {label} | - | - | no renderer for this file |")
@@ -257,6 +255,23 @@ def render(results: dict[str, dict]) -> str:
             machines.setdefault(describe(m), []).append(m.get("when", "?"))
     described = "; ".join(f"{d} (runs {min(w)} to {max(w)})" for d, w in sorted(machines.items()))
     return "\n".join(lines) + (f"\n\nMachine: {described}\n" if described else "\n")
+
+
+def superseded(name: str, results: dict) -> bool:
+    """A quick run's file (``decode.quick.json``) beside the same bench's full run on the same
+    kind of machine (``decode.json``): the table shows the full run only."""
+    parts = name.split(".")
+    return "quick" in parts and ".".join(p for p in parts if p != "quick") in results
+
+
+def variant_label(name: str, gpu: str | None) -> str:
+    """``decode`` as is; ``decode.partial.quick.gpu`` as ``decode (NVIDIA H100, partial: a run cut
+    short, --quick size)``."""
+    base, *flags = name.split(".")
+    notes = {"gpu": gpu or "gpu", "partial": "partial: a run cut short", "quick": "--quick size"}
+    said = [notes[f] for f in ("gpu", "partial", "quick") if f in flags]
+    said += [f for f in flags if f not in notes]
+    return f"{base} ({', '.join(said)})" if said else base
 
 
 def describe(m: dict) -> str:

@@ -486,7 +486,7 @@ def main(argv=None) -> dict:
                          "fetchers": FETCHERS, "io_threads": IO_THREADS,
                          "quick": args.quick, "threads": torch.get_num_threads()},
               "sizes": results, "growth": grows, "not_run": not_run, "rss_idle": idle}
-    print(write_result("scale", result))
+    print(write_result("scale", result, args.quick))
     return result
 
 

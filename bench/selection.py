@@ -36,7 +36,7 @@ import torch
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bench.common import RESULTS, attention_installed, write_result  # noqa: E402
+from bench.common import attention_installed, result_path, write_result  # noqa: E402
 from tierkv.config import ChunkConfig, SelectConfig  # noqa: E402
 from tierkv.hf.model import cache_kwargs  # noqa: E402
 from tierkv.select import (adaptation_mass, adaptation_scores, leaf_costs,  # noqa: E402
@@ -284,12 +284,12 @@ def main(argv=None) -> None:
                                                          queries[-1, layer], probs, keys[layer])
         doc["seconds"] = time.perf_counter() - t0
         results[f"{prompt}_tokens"] = doc
-        plot(RESULTS / "selection.png", [r[1]["adaptive"] for r in runs], [r[2] for r in runs],
+        plot(result_path("selection", args.quick, ".png"), [r[1]["adaptive"] for r in runs], [r[2] for r in runs],
              PLOT_LAYERS)
         report(prompt, doc)
     config = {"cases": {name: vars(c) for name, c in CASES.items()}, "select": vars(SELECT),
               "warmup_positions": WARMUP, "decode_steps": steps, "quick": args.quick}
-    print(write_result("selection", {"config": config, "documents": results}))
+    print(write_result("selection", {"config": config, "documents": results}, args.quick))
 
 
 def report(prompt: int, doc: dict) -> None:

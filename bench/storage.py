@@ -165,7 +165,7 @@ def main() -> None:
     result = {"tokens": tokens, "dtype": "float16", "sizes": per_size, **summarise(per_size),
               **extra_sections(keys, values, args.quick)}
     print({k: v and round(v, 3) for k, v in summarise(per_size).items()})
-    print(f"wrote {write_result('storage', result)}")
+    print(f"wrote {write_result('storage', result, args.quick)}")
 
 
 if __name__ == "__main__":

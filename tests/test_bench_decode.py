@@ -85,7 +85,8 @@ def test_a_tier_full_error_raises_the_budget_by_its_shortfall_or_a_tenth():
 
 def test_a_run_cut_short_leaves_its_headline_and_a_complete_run_removes_it(tmp_path, monkeypatch):
     """Cases run tierkv (with the paired run) first and the all-KV readers last; each case
-    rewrites ``decode.partial.json``; the complete run writes ``decode.json`` and removes it."""
+    rewrites ``decode.partial.quick.json`` (a ``--quick`` run's names); the complete run writes
+    ``decode.quick.json`` and removes it."""
     import bench.common as common
 
     monkeypatch.setattr(common, "RESULTS", tmp_path)
@@ -104,8 +105,8 @@ def test_a_run_cut_short_leaves_its_headline_and_a_complete_run_removes_it(tmp_p
 
     def case(model, ids, ref, steps, policy, *rest):
         name = "brute_offload" if policy == "full" else policy
-        if (tmp_path / "decode.partial.json").exists():
-            partial.append(__import__("json").loads((tmp_path / "decode.partial.json").read_text()))
+        if (tmp_path / "decode.partial.quick.json").exists():
+            partial.append(__import__("json").loads((tmp_path / "decode.partial.quick.json").read_text()))
         ran.append(name)
         if name == STOP:
             raise KeyboardInterrupt  # the lent machine's time runs out
@@ -124,13 +125,13 @@ def test_a_run_cut_short_leaves_its_headline_and_a_complete_run_removes_it(tmp_p
     assert "needs the model on a GPU" in cut["cases"]["offloaded"]["skipped"]
     assert cut["speedup_vs_full_memory"] == 1.25 and cut["speedup_vs_brute_offload"] is None
     assert partial[0]["cases"].keys() == {"full_memory", "tierkv", "offloaded"}
-    assert not (tmp_path / "decode.json").exists()
+    assert not (tmp_path / "decode.quick.json").exists()
 
     STOP, ran[:] = None, []
     result = decode.main(["--quick"])
     assert ran[-3:] == ["brute_offload", "h2o", "razor"]
     assert result["speedup_vs_brute_offload"] == 25.0 and result["full_memory_drift"] == 1.0
-    assert (tmp_path / "decode.json").exists() and not (tmp_path / "decode.partial.json").exists()
+    assert (tmp_path / "decode.quick.json").exists() and not (tmp_path / "decode.partial.quick.json").exists()
 
 
 def test_summary_leaves_out_what_needs_a_case_not_run():

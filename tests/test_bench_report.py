@@ -132,6 +132,38 @@ def test_a_gpu_run_sits_beside_the_cpu_one(tmp_path, monkeypatch):
         common.bench_device()
 
 
+def test_a_quick_run_never_replaces_a_full_run(tmp_path, monkeypatch):
+    """``--quick`` writes ``<name>.quick.json``: the committed full-size figures stay, the table
+    shows a quick run only where no full run of that bench (on that kind of machine) exists,
+    labelled with its size."""
+    import bench.common as common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setenv("TIERKV_BENCH_DEVICE", "cpu")
+    full = common.write_result("decode", {"speedup_vs_full_memory": 1.5})
+    quick = common.write_result("decode", {"speedup_vs_full_memory": 0.9}, quick=True)
+    assert (full.name, quick.name) == ("decode.json", "decode.quick.json")
+    assert json.loads(full.read_text())["speedup_vs_full_memory"] == 1.5
+    assert common.result_path("selection", True, ".png").name == "selection.quick.png"
+    monkeypatch.setattr(common, "bench_device", lambda: __import__("torch").device("cuda", 0))
+    assert common.write_result("scale", {}, quick=True).name == "scale.quick.gpu.json"
+
+    results = fake_results()
+    results["decode.quick"] = {**results["decode"], "speedup_vs_full_memory": 0.25}
+    results["storage.quick"] = {**results["storage"], "read_ratio": 0.7}
+    del results["storage"]
+    gpu = {**MACHINE, "gpu": "NVIDIA H100"}
+    results["scale.partial.quick.gpu"] = {**results["scale"], "machine": gpu}
+    table = render(results)
+    assert "| decode | speedup vs full_memory | 0.5 |" in table and "0.25" not in table
+    assert "| storage (--quick size) | read ratio | 0.7 |" in table
+    assert "| scale (NVIDIA H100, partial: a run cut short, --quick size) | 16384 tok: needle recall | 1 |" in table
+    first = [line.split("|")[1].strip() for line in table.splitlines()[2:] if line.startswith("| ")]
+    assert list(dict.fromkeys(first)) == ["storage (--quick size)", "decode", "scale",
+                                          "scale (NVIDIA H100, partial: a run cut short, --quick size)",
+                                          "mystery"]
+
+
 def test_fmt():
     assert fmt(None) == "-" and fmt(True) == "yes" and fmt(0.123456) == "0.123"
     assert fmt(123456.0) == "1.235e+05" and fmt(7) == "7"
