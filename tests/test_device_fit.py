@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tierkv import DeviceBudgetWarning, SelectConfig, TierConfig, TieredCache, TierFullError
+from tierkv.hf.model import cache_kwargs
 from tinyllama import PER_TOKEN, ids, tiny
 
 
@@ -29,13 +30,13 @@ def test_a_selection_the_device_tier_does_not_hold_is_cut_to_what_fits(tmp_path)
     device = (windows + 1100) * PER_TOKEN
     config = TierConfig(device_budget=device, host_budget="64MB", disk_dir=tmp_path / "kv")
     with TieredCache(model, config, "tierkv", select=select) as cache, torch.no_grad():
-        model(ids(1000), past_key_values=cache, use_cache=True)
+        model(ids(1000), **cache_kwargs(model, cache), use_cache=True)
         room = cache.fetch_room(3)
         assert 0 < room < cache.policy.budget(cache, 3) // 2
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for step in range(6):
-                model(ids(1, seed=10 + step), past_key_values=cache, use_cache=True)
+                model(ids(1, seed=10 + step), **cache_kwargs(model, cache), use_cache=True)
         trimmed = [w for w in caught if issubclass(w.category, DeviceBudgetWarning)]
         assert len(trimmed) == 1
         assert f"holds {room} tokens of layer group 3 (layers 3-15)" in str(trimmed[0].message)
@@ -60,14 +61,14 @@ def test_a_layer_read_whole_that_outgrows_the_device_is_refused_before_the_step(
     small = TierConfig(device_budget=device, host_budget="64MB", disk_dir=tmp_path / "kv")
     tokens = []
     with TieredCache(model, small, "full") as cache, torch.no_grad():
-        logits = model(prompt, past_key_values=cache, use_cache=True).logits
+        logits = model(prompt, **cache_kwargs(model, cache), use_cache=True).logits
         assert cache.fetch_room(0) == 100
         with pytest.raises(TierFullError, match=r"reads layer group 0 \(layers 0\) whole under "
                                                 r"policy 'full': its 104 sealed tokens do not fit"):
             while True:
                 tokens.append(int(logits[0, -1].argmax()))
                 held = cache.get_seq_length()
-                logits = model(torch.tensor([[tokens[-1]]]), past_key_values=cache,
+                logits = model(torch.tensor([[tokens[-1]]]), **cache_kwargs(model, cache),
                                use_cache=True).logits
         assert cache.get_seq_length() == held and cache.token_ids.shape[1] == held
         assert cache.store.device.peak <= device
@@ -75,7 +76,7 @@ def test_a_layer_read_whole_that_outgrows_the_device_is_refused_before_the_step(
     larger = TierConfig(device_budget="1MB", host_budget="64MB")
     with TieredCache.open(model, tmp_path / "saved", larger) as cache, torch.no_grad():
         for _ in range(8):
-            logits = model(torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True).logits
+            logits = model(torch.tensor([[tokens[-1]]]), **cache_kwargs(model, cache), use_cache=True).logits
             tokens.append(int(logits[0, -1].argmax()))
     want = model.generate(prompt, max_new_tokens=len(tokens), do_sample=False)[0, 90:].tolist()
     assert tokens == want
@@ -102,8 +103,8 @@ def test_a_dense_layer_and_the_choice_after_it_take_turns_on_a_small_device(tmp_
         with TieredCache(model, config, "omnikv", select=select) as cache, torch.no_grad(), \
                 warnings.catch_warnings():
             warnings.simplefilter("error", DeviceBudgetWarning)
-            model(ids(1000), past_key_values=cache, use_cache=True)
-            steps = [model(ids(1, seed=10 + step), past_key_values=cache, use_cache=True).logits
+            model(ids(1000), **cache_kwargs(model, cache), use_cache=True)
+            steps = [model(ids(1, seed=10 + step), **cache_kwargs(model, cache), use_cache=True).logits
                      for step in range(4)]
             logits.append(torch.cat(steps))
             if isinstance(device, int):
@@ -128,10 +129,10 @@ def test_streaming_keeps_its_sinks_and_the_most_recent_tokens_that_fit(tmp_path)
     with TieredCache(model, config, "streaming", select=select) as cache, torch.no_grad(), \
             warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model(ids(1000), past_key_values=cache, use_cache=True)
+        model(ids(1000), **cache_kwargs(model, cache), use_cache=True)
         assert cache.fetch_room(0) < cache.indexes[0].sealed
         for step in range(3):
-            model(ids(1, seed=10 + step), past_key_values=cache, use_cache=True)
+            model(ids(1, seed=10 + step), **cache_kwargs(model, cache), use_cache=True)
         assert sum(issubclass(w.category, DeviceBudgetWarning) for w in caught) == 1
         assert cache.stats()["trimmed_fetches"] == 3 * 4 and cache.store.device.peak <= device
         cache.save(tmp_path / "saved")
@@ -146,18 +147,18 @@ def test_a_group_whose_sink_records_do_not_fit_is_refused_before_the_step(tmp_pa
     device = (windows_of(model, "omnikv", select) + 420) * PER_TOKEN
     config = TierConfig(device_budget=device, host_budget="64MB", disk_dir=tmp_path / "kv")
     with TieredCache(model, config, "omnikv", select=select) as cache, torch.no_grad():
-        model(ids(180), past_key_values=cache, use_cache=True)
+        model(ids(180), **cache_kwargs(model, cache), use_cache=True)
         assert cache.fetch_room(3) < 8
         with pytest.raises(TierFullError, match=r"brings layer group 3 \(layers 3-15\)'s sink "
                                                 r"tokens under policy 'omnikv': the 8 tokens") as err:
-            model(ids(1, seed=10), past_key_values=cache, use_cache=True)
+            model(ids(1, seed=10), **cache_kwargs(model, cache), use_cache=True)
         assert cache.get_seq_length() == 180
         cache.save(tmp_path / "saved")
     need = int(re.search(r"a device budget of at least (\d+) B", str(err.value)).group(1))
     larger = TierConfig(device_budget=need, host_budget="64MB")
     with TieredCache.open(model, tmp_path / "saved", larger) as cache, torch.no_grad():
         for step in range(3):
-            model(ids(1, seed=10 + step), past_key_values=cache, use_cache=True)
+            model(ids(1, seed=10 + step), **cache_kwargs(model, cache), use_cache=True)
         assert cache.get_seq_length() == 183 and cache.store.device.peak <= need
 
 
@@ -169,10 +170,10 @@ def test_a_prompt_after_a_decode_step_takes_the_room_of_its_prefetch(tmp_path):
     device = (windows_of(model, "full") + 800) * PER_TOKEN
     config = TierConfig(device_budget=device, host_budget="64MB", disk_dir=tmp_path / "kv")
     with TieredCache(model, config, "full") as cache, torch.no_grad():
-        model(ids(400), past_key_values=cache, use_cache=True)
-        model(ids(1, seed=10), past_key_values=cache, use_cache=True)
+        model(ids(400), **cache_kwargs(model, cache), use_cache=True)
+        model(ids(1, seed=10), **cache_kwargs(model, cache), use_cache=True)
         assert ("prefetch", 0) in cache._step
-        model(ids(40, seed=99), past_key_values=cache, use_cache=True)
+        model(ids(40, seed=99), **cache_kwargs(model, cache), use_cache=True)
         assert cache.get_seq_length() == 441 and cache.store.device.peak <= device
         cache.save(tmp_path / "saved")
 
@@ -189,8 +190,8 @@ def test_a_budget_above_the_sealed_context_is_no_cut(policy):
         with TieredCache(model, config, policy, select=select) as cache, torch.no_grad(), \
                 warnings.catch_warnings():
             warnings.simplefilter("error", DeviceBudgetWarning)
-            model(ids(600), past_key_values=cache, use_cache=True)
-            logits.append(torch.cat([model(ids(1, seed=10 + step), past_key_values=cache,
+            model(ids(600), **cache_kwargs(model, cache), use_cache=True)
+            logits.append(torch.cat([model(ids(1, seed=10 + step), **cache_kwargs(model, cache),
                                            use_cache=True).logits for step in range(3)]))
             assert cache.stats()["trimmed_fetches"] == 0
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
@@ -206,18 +207,18 @@ def test_a_prompt_whose_prefill_does_not_fit_is_refused_before_it_runs(tmp_path)
     config = TierConfig(device_budget=device, host_budget="64MB", disk_dir=tmp_path / "kv")
     question = ids(100, seed=99)
     with TieredCache(model, config, "full") as cache, torch.no_grad():
-        model(ids(400), past_key_values=cache, use_cache=True)
-        model(ids(1, seed=10), past_key_values=cache, use_cache=True)
+        model(ids(400), **cache_kwargs(model, cache), use_cache=True)
+        model(ids(1, seed=10), **cache_kwargs(model, cache), use_cache=True)
         with pytest.raises(TierFullError, match="a prompt of 100 tokens is prefilled one layer at "
                                                 "a time") as err:
-            model(question, past_key_values=cache, use_cache=True)
+            model(question, **cache_kwargs(model, cache), use_cache=True)
         assert cache.get_seq_length() == 401
         cache.save(tmp_path / "saved")
     need = int(re.search(r"a device budget of at least (\d+) B", str(err.value)).group(1))
     with TieredCache.open(model, tmp_path / "saved", TierConfig(device_budget=need,
                                                                   host_budget="64MB")) as cache, \
             torch.no_grad():
-        model(question, past_key_values=cache, use_cache=True)
+        model(question, **cache_kwargs(model, cache), use_cache=True)
         assert cache.get_seq_length() == 501 and cache.store.device.peak <= need
 
 
@@ -230,7 +231,7 @@ def test_a_document_reopened_with_a_smaller_window_counts_the_windows_it_holds(t
     select = SelectConfig(budget=0.5, filter_layers=(2,))
     config = TierConfig(device_budget="64MB", host_budget="64MB", disk_dir=tmp_path / "kv")
     with TieredCache(model, config, "tierkv", select=select) as cache, torch.no_grad():
-        model(ids(1000), past_key_values=cache, use_cache=True)
+        model(ids(1000), **cache_kwargs(model, cache), use_cache=True)
         cache.save(tmp_path / "saved")
     small = SelectConfig(budget=0.5, filter_layers=(2,), window=4)
     device = (windows_of(model, "tierkv", small) + 1300) * PER_TOKEN
@@ -239,6 +240,6 @@ def test_a_document_reopened_with_a_smaller_window_counts_the_windows_it_holds(t
                           select=small) as cache, torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeviceBudgetWarning)  # the half budget is cut: expected
         for step in range(3):
-            model(ids(1, seed=10 + step), past_key_values=cache, use_cache=True)
+            model(ids(1, seed=10 + step), **cache_kwargs(model, cache), use_cache=True)
         assert cache.stats()["trimmed_fetches"] > 0 and cache.store.device.peak <= device
         cache.save(tmp_path / "again")

@@ -12,6 +12,7 @@ from transformers import (BertConfig, BertForMaskedLM, DynamicCache, GptOssConfi
 from tierkv import TierConfig, TieredCache
 from tierkv.hf.model import ModelLoadError, load_model
 from tierkv.hf.profile import save_profile
+from tierkv.hf.model import cache_kwargs
 from tinyllama import ids, tiny
 
 SMALL = dict(num_hidden_layers=4, hidden_size=32, num_attention_heads=4, intermediate_size=64,
@@ -45,20 +46,20 @@ def test_forward_passes_it_would_attend_wrongly_refused_and_the_cache_goes_on():
     model, other = tiny(), tiny(seed=5)
     prompt = ids(20)
     with TieredCache(model, TierConfig(**TIERS), "full") as cache, torch.no_grad():
-        model(prompt, past_key_values=cache, use_cache=True)
+        model(prompt, **cache_kwargs(model, cache), use_cache=True)
         more = torch.cat([cache.token_ids, ids(1, seed=2)], 1)
         with pytest.raises(ValueError, match="batch size 2: a TieredCache holds one sequence"):
-            model.generate(more, past_key_values=cache, num_beams=2, max_new_tokens=2)
+            model.generate(more, **cache_kwargs(model, cache), num_beams=2, max_new_tokens=2)
         with pytest.raises(ValueError, match="batch size 2"):
-            model(more[:, -1:].repeat(2, 1), past_key_values=cache, use_cache=True)
+            model(more[:, -1:].repeat(2, 1), **cache_kwargs(model, cache), use_cache=True)
         with pytest.raises(ValueError, match="was given no cache: pass cache=cache"):
             model(ids(1))
         with pytest.raises(ValueError, match="was given a DynamicCache"):
-            model(ids(1), past_key_values=DynamicCache(), use_cache=True)
+            model(ids(1), **cache_kwargs(model, DynamicCache()), use_cache=True)
         with pytest.raises(RuntimeError, match="serves the LlamaForCausalLM it was made with"):
-            other(ids(1), past_key_values=cache, use_cache=True)
+            other(ids(1), **cache_kwargs(other, cache), use_cache=True)
         assert cache.get_seq_length() == 20 and torch.equal(cache.token_ids, prompt)
-        got = model.generate(more, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        got = model.generate(more, **cache_kwargs(model, cache), max_new_tokens=4, do_sample=False)
     assert torch.equal(got, model.generate(more, max_new_tokens=4, do_sample=False))
 
 
@@ -71,29 +72,29 @@ def test_an_interruption_before_any_layer_leaves_the_cache_whole():
         raise KeyboardInterrupt
 
     with TieredCache(model, TierConfig(**TIERS), "full") as cache, torch.no_grad():
-        model(ids(12), past_key_values=cache, use_cache=True)
+        model(ids(12), **cache_kwargs(model, cache), use_cache=True)
         hook = model.model.embed_tokens.register_forward_hook(lambda *a: interrupt(*a[:2]))
         with pytest.raises(KeyboardInterrupt):
-            model(ids(1), past_key_values=cache, use_cache=True)
+            model(ids(1), **cache_kwargs(model, cache), use_cache=True)
         hook.remove()
-        model(ids(1), past_key_values=cache, use_cache=True)  # goes on
+        model(ids(1), **cache_kwargs(model, cache), use_cache=True)  # goes on
         assert cache.token_ids.shape[1] == cache.get_seq_length() == 13
         hook = model.model.layers[2].register_forward_pre_hook(interrupt)
         with pytest.raises(KeyboardInterrupt):
-            model(ids(1), past_key_values=cache, use_cache=True)
+            model(ids(1), **cache_kwargs(model, cache), use_cache=True)
         hook.remove()
         with pytest.raises(RuntimeError, match="failed part-way"):
-            model(ids(1), past_key_values=cache, use_cache=True)
+            model(ids(1), **cache_kwargs(model, cache), use_cache=True)
 
 
 def test_a_closed_cache_takes_no_more_keys():
     model = tiny()
     cache = TieredCache(model, TierConfig(**TIERS), "full")
     with torch.no_grad():
-        model(ids(10), past_key_values=cache, use_cache=True)
+        model(ids(10), **cache_kwargs(model, cache), use_cache=True)
         cache.close()
         with pytest.raises(RuntimeError, match="this TieredCache is closed"):
-            model(ids(1), past_key_values=cache, use_cache=True)
+            model(ids(1), **cache_kwargs(model, cache), use_cache=True)
 
 
 def test_reopening_checks_the_whole_model_and_keeps_the_profile(tmp_path):
@@ -103,7 +104,7 @@ def test_reopening_checks_the_whole_model_and_keeps_the_profile(tmp_path):
     model = tiny()
     profile = {"retrieval_heads": {"1": [0]}}
     with TieredCache(model, TierConfig(**TIERS), "razor", profile=profile) as cache, torch.no_grad():
-        model(ids(30), past_key_values=cache, use_cache=True)
+        model(ids(30), **cache_kwargs(model, cache), use_cache=True)
         cache.save(tmp_path / "saved")
     with TieredCache.open(model, tmp_path / "saved") as cache:
         assert cache.policy.name == "razor" and cache.profile == profile
@@ -122,7 +123,7 @@ def test_closing_an_unsaved_cache_frees_its_disk_records(tmp_path):
     config = TierConfig(device_budget="8MB", host_budget=0, disk_dir=tmp_path / "kv")
     for _ in range(2):
         with TieredCache(model, config, "full") as cache, torch.no_grad():
-            model(ids(40), past_key_values=cache, use_cache=True)
+            model(ids(40), **cache_kwargs(model, cache), use_cache=True)
             assert cache.store.disk.keys()
     assert sum(p.stat().st_size for p in (tmp_path / "kv").glob("seg-*.tkv")) == 0
 

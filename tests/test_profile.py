@@ -15,6 +15,7 @@ from tierkv import TierConfig, TieredCache
 from tierkv.cli import EXIT_ERROR, main
 from tierkv.hf.model import ModelLoadError, load_model
 from tierkv.hf.profile import PROFILES, check_profile, load_profile
+from tierkv.hf.model import cache_kwargs
 
 SHIPPED = json.loads((PROFILES / "smollm2-135m.json").read_text())
 
@@ -111,7 +112,7 @@ def test_the_profile_argument_is_checked(tmp_path):
     ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
     with TieredCache(model, config, "razor", profile={"retrieval_heads": {"3": [0]}}) as cache, \
             torch.no_grad():
-        model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
+        model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=2, do_sample=False)
 
 
 @pytest.fixture(scope="module")

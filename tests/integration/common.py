@@ -7,6 +7,7 @@ import torch
 
 from tierkv import TierConfig, TieredCache
 from tierkv.textgen import city_fact, make_document, passkey_fact, question_turn
+from tierkv.hf.model import cache_kwargs
 
 # Layer-wise prefill sums attention in query blocks, plain transformers in one pass: fp32
 # rounding differs by a few ulps per layer, ~1e-5 relative on the logits after 30 layers.
@@ -18,14 +19,14 @@ def saved_document(model, tok, path):
     ids = tok("A short text. " * 40, return_tensors="pt")["input_ids"]
     with TieredCache(model, TierConfig(device_budget="8MB", host_budget="64MB"), "full") as cache, \
             torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **cache_kwargs(model, cache), use_cache=True)
         cache.save(path)
         return ids, cache.doc
 
 
 def generate(model, ids, cache=None, new=8):
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=new, do_sample=False, past_key_values=cache)
+        out = model.generate(ids, max_new_tokens=new, do_sample=False, **cache_kwargs(model, cache))
     return out[0, ids.shape[1]:]
 
 
@@ -43,7 +44,7 @@ def two_questions(model, tok, cache, device="cpu") -> list[tuple]:
         new_ids = tok(turn, return_tensors="pt", add_special_tokens=False)["input_ids"]
         ids = torch.cat([context, new_ids.to(device)], dim=1)
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=cache)
+            out = model.generate(ids, max_new_tokens=6, do_sample=False, **cache_kwargs(model, cache))
         answers.append((fact, tok.decode(out[0, ids.shape[1]:])))
         context = out
     return answers

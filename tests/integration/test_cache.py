@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from tierkv import SelectConfig, TierConfig, TieredCache
 from tierkv.textgen import make_document
+from tierkv.hf.model import cache_kwargs
 
 from .common import LOGIT_ATOL, generate, saved_document, two_questions
 
@@ -27,7 +28,7 @@ def test_prefill_logits_match_plain(model_and_tok, passkey_cases):
         ref = model(ids).logits[0, -1]
         with TieredCache(model, TierConfig(device_budget="8MB", host_budget="1GB"), "full",
                          prefill_block=128) as cache:
-            got = model(ids, past_key_values=cache, use_cache=True).logits[0, -1]
+            got = model(ids, **cache_kwargs(model, cache), use_cache=True).logits[0, -1]
     assert torch.allclose(got, ref, atol=LOGIT_ATOL), (got - ref).abs().max()
     assert got.argmax() == ref.argmax()
 
@@ -81,7 +82,7 @@ def test_batch_and_close(model_and_tok):
     ids = tok(["one two three", "four five six"], return_tensors="pt")["input_ids"]
     with pytest.raises(ValueError, match="batch size 2"):
         with torch.no_grad():
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, **cache_kwargs(model, cache), use_cache=True)
     cache.close()
     cache.close()
     assert model.config._attn_implementation == before
@@ -93,7 +94,8 @@ def test_sampling_runs(model_and_tok, passkey_cases):
     torch.manual_seed(0)
     with TieredCache(model, TierConfig(device_budget="8MB", host_budget="1GB"), "tierkv") as cache:
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=5, do_sample=True, top_k=20, past_key_values=cache)
+            out = model.generate(ids, max_new_tokens=5, do_sample=True, top_k=20,
+                                 **cache_kwargs(model, cache))
     assert out.shape[1] == ids.shape[1] + 5
 
 
@@ -138,10 +140,10 @@ def test_dense_group_prefetch_starts_a_group_early_when_it_fits(model_and_tok, p
             kind == "fetch" for kind, _ in self._step) else room(self))
     config = TierConfig(device_budget="64MB", host_budget="1GB")
     with TieredCache(model, config, "omnikv") as cache, torch.no_grad():
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, **cache_kwargs(model, cache), use_cache=True)
         issued.clear()
         for _ in range(3):
-            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+            out = model(out.logits[:, -1:].argmax(-1), **cache_kwargs(model, cache), use_cache=True)
         filters = cache.policy.filters
         before = cache.groups[cache.group_of[filters[-1]] - 1]  # multi-layer group, then a filter
         dense_next = cache.group_of[filters[-1]]
@@ -161,7 +163,7 @@ def test_split_leaves_attend_exactly_their_tokens(model_and_tok, passkey_cases, 
     prompt = ids.shape[1]
     with torch.no_grad():
         ref = DynamicCache()
-        model(ids, past_key_values=ref, use_cache=True)
+        model(ids, **cache_kwargs(model, ref), use_cache=True)
     trimmed, checked = [], []
     real_fetch = GroupIndex.fetch
 
@@ -197,7 +199,7 @@ def test_split_leaves_attend_exactly_their_tokens(model_and_tok, passkey_cases, 
         cache.policy.attend, cache.policy.attend_parts = spy, spy_parts
         with torch.no_grad():
             model.generate(ids, min_new_tokens=16, max_new_tokens=16, do_sample=False,
-                           past_key_values=cache)
+                           **cache_kwargs(model, cache))
         leaves = [index.tree.sizes for index in cache.indexes]
     assert min(int(s.min()) for s in leaves) < 8, "no leaf split below its record"
     assert trimmed and all(kept < tokens for tokens, kept in trimmed)
@@ -245,10 +247,10 @@ def test_policies_keep_device_and_host_tensors_apart(model_and_tok, passkey_case
         p.attend, p.fetch, p.observe_prefill = on_attend, on_fetch, on_observe
         with torch.no_grad():
             out = model.generate(ids, min_new_tokens=12, max_new_tokens=12, do_sample=False,
-                                 past_key_values=cache)
+                                 **cache_kwargs(model, cache))
             more = torch.cat([out, out[:, -4:]], dim=1)
             model.generate(more, min_new_tokens=2, max_new_tokens=2, do_sample=False,
-                           past_key_values=cache)
+                           **cache_kwargs(model, cache))
         if policy == "tierkv":  # the paths that cross most: preselection and leaf splits
             filters = [cache.group_of[f] for f in p.filters]
             assert any(p.preselects(cache, cache.groups[g][0]) for g in filters)
@@ -290,18 +292,18 @@ def test_what_the_tiers_would_attend_wrongly_is_refused(model_and_tok):
         mask = torch.ones_like(ids)
         mask[0, :3] = 0
         with pytest.raises(ValueError, match="attention_mask masks 3 of its"):
-            model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2)
+            model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=2)
         assert cache.get_seq_length() == 0 and cache.token_ids.numel() == 0
-        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache),
                        max_new_tokens=2)
     tiny = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(0)
     mistral = MistralForCausalLM(MistralConfig(**tiny, sliding_window=16)).eval()
     with TieredCache(mistral, config, "full") as cache, torch.no_grad():
-        mistral(torch.arange(10)[None], past_key_values=cache, use_cache=True)
+        mistral(torch.arange(10)[None], **cache_kwargs(mistral, cache), use_cache=True)
         with pytest.raises(ValueError, match=r"17 tokens pass the model's sliding window \(16\)"):
-            mistral(torch.arange(7)[None], past_key_values=cache, use_cache=True)
+            mistral(torch.arange(7)[None], **cache_kwargs(mistral, cache), use_cache=True)
         assert cache.get_seq_length() == 10
     falcon = FalconForCausalLM(FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
                                             num_attention_heads=4)).eval()
@@ -332,18 +334,18 @@ def test_a_forward_that_fails_part_way_leaves_a_cache_that_says_so(model_and_tok
 
     monkeypatch.setattr(cache.policy, "attend", interrupted)
     with torch.no_grad(), pytest.raises(KeyboardInterrupt):
-        model.generate(torch.cat([ids, more], 1), past_key_values=cache, max_new_tokens=4)
+        model.generate(torch.cat([ids, more], 1), **cache_kwargs(model, cache), max_new_tokens=4)
     assert len({cache.layer_length(layer) for layer in range(cache.shape.layers)}) == 2
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"cannot go on: a forward pass failed "
                                                             r"part-way \(KeyboardInterrupt: injected\)"):
-        model(cache.token_ids[:, -1:], past_key_values=cache, use_cache=True)
+        model(cache.token_ids[:, -1:], **cache_kwargs(model, cache), use_cache=True)
     with pytest.raises(RuntimeError, match="cannot be saved"):
         cache.save(tmp_path / "copy")
     cache.close()
     assert model.config._attn_implementation == "sdpa"
     with TieredCache.open(model, tmp_path) as reopened, torch.no_grad():
         assert torch.equal(reopened.token_ids, ids)
-        logits = model(ids[:, -1:], past_key_values=reopened, use_cache=True).logits
+        logits = model(ids[:, -1:], **cache_kwargs(model, reopened), use_cache=True).logits
     with torch.no_grad():
         plain = model(torch.cat([ids, ids[:, -1:]], dim=1)).logits
     assert torch.allclose(logits[0, -1], plain[0, -1], atol=LOGIT_ATOL)
@@ -375,7 +377,7 @@ def test_a_device_budget_too_small_says_what_it_must_hold(model_and_tok):
                                                 r"during prefill \(1536 B a token and layer\); "
                                                 r"raise the device budget"):
             with torch.no_grad():
-                model(ids, past_key_values=cache, use_cache=True)
+                model(ids, **cache_kwargs(model, cache), use_cache=True)
     from tierkv.hf.admit import device_need
 
     assert "a smaller SelectConfig.budget, --budget, brings fewer" in device_need("fetch:0", 1536)
@@ -476,15 +478,15 @@ def test_preselecting_layers_fetch_while_earlier_layers_compute(model_and_tok, m
     with TieredCache(model, config, "tierkv") as cache, torch.no_grad():
         assert cache.fetch_ahead is (cache.device.type == "cuda")
         cache.fetch_ahead = ahead
-        out = model(ids, past_key_values=cache, use_cache=True)
-        out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+        out = model(ids, **cache_kwargs(model, cache), use_cache=True)
+        out = model(out.logits[:, -1:].argmax(-1), **cache_kwargs(model, cache), use_cache=True)
         first = {cache.group_of[layer]: layer for layer in range(cache.shape.layers)
                  if cache.policy.preselects(cache, layer)}
         assert {0, 1, cache.group_of[cache.policy.filters[0]]} <= set(first)
         issued.clear()
         for _ in range(3):
             cache._kept.clear()  # no records kept from the step before: every group fetches
-            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+            out = model(out.logits[:, -1:].argmax(-1), **cache_kwargs(model, cache), use_cache=True)
     fetches = [(layer, g) for layer, g in issued if g in first]
     assert {g for _, g in fetches} == set(first)
     assert all((layer != first[g]) is ahead for layer, g in fetches), fetches
@@ -503,14 +505,14 @@ def test_a_filter_layer_that_starts_preselecting_unpins_its_records(model_and_to
     with TieredCache(model, config, "tierkv") as cache, torch.no_grad():
         layers = (0, cache.policy.filters[0])
         ranks = cache.store._ranks
-        out = model(ids[:, :300], past_key_values=cache, use_cache=True)
-        model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+        out = model(ids[:, :300], **cache_kwargs(model, cache), use_cache=True)
+        model(out.logits[:, -1:].argmax(-1), **cache_kwargs(model, cache), use_cache=True)
         firsts = [cache.index_of(layer).keys[0] for layer in layers]
         for layer, first in zip(layers, firsts):
             assert not cache.policy.preselects(cache, layer) and ranks.importance(first) == PINNED
         for start in range(301, ids.shape[1], 350):  # prompts of a few hundred tokens each
-            out = model(ids[:, start:start + 350], past_key_values=cache, use_cache=True)
-        model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+            out = model(ids[:, start:start + 350], **cache_kwargs(model, cache), use_cache=True)
+        model(out.logits[:, -1:].argmax(-1), **cache_kwargs(model, cache), use_cache=True)
         for layer, first in zip(layers, firsts):
             assert cache.policy.preselects(cache, layer)
             assert ranks.importance(first) == cache.steps and first in cache.index_of(layer).keys
@@ -564,9 +566,9 @@ def test_decode_steps_compute_on_decode_threads_and_put_them_back(model_and_tok,
                 real = getattr(cache.policy, name)
                 monkeypatch.setattr(cache.policy, name, lambda *a, real=real:
                                     seen.append(torch.get_num_threads()) or real(*a))
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, **cache_kwargs(model, cache), use_cache=True)
             assert torch.get_num_threads() == 2
-            model(ids[:, -1:], past_key_values=cache, use_cache=True)
+            model(ids[:, -1:], **cache_kwargs(model, cache), use_cache=True)
             assert seen[-1] == 2
             new = []  # the cache's threads compute on one thread; a new one starts with torch's
             thread = threading.Thread(target=lambda: new.append(torch.get_num_threads()))
@@ -574,7 +576,7 @@ def test_decode_steps_compute_on_decode_threads_and_put_them_back(model_and_tok,
             thread.join()
             assert new == [2]
             cache.decode_threads = 1
-            model(ids[:, -1:], past_key_values=cache, use_cache=True)
+            model(ids[:, -1:], **cache_kwargs(model, cache), use_cache=True)
             assert seen[-1] == 1 and torch.get_num_threads() == 2
 
             def broken(*args):
@@ -582,15 +584,15 @@ def test_decode_steps_compute_on_decode_threads_and_put_them_back(model_and_tok,
             monkeypatch.setattr(cache.policy, "attend", broken)
             monkeypatch.setattr(cache.policy, "attend_parts", broken)
             with pytest.raises(RuntimeError, match="attention failed"):
-                model(ids[:, -1:], past_key_values=cache, use_cache=True)
+                model(ids[:, -1:], **cache_kwargs(model, cache), use_cache=True)
             assert torch.get_num_threads() == 2
         with TieredCache(model, config, "tierkv") as cache, torch.no_grad():
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, **cache_kwargs(model, cache), use_cache=True)
             cache.decode_threads = 0
             with pytest.raises(ValueError, match=r"decode_threads=0: expected a positive int"):
-                model(ids[:, -1:], past_key_values=cache, use_cache=True)
+                model(ids[:, -1:], **cache_kwargs(model, cache), use_cache=True)
             cache.decode_threads = None
-            model(ids[:, -1:], past_key_values=cache, use_cache=True)
+            model(ids[:, -1:], **cache_kwargs(model, cache), use_cache=True)
             assert cache.get_seq_length() == ids.shape[1] + 1
     finally:
         torch.set_num_threads(before)
@@ -608,23 +610,23 @@ def test_a_forward_outside_no_grad_runs_without_autograd(model_and_tok, passkey_
     runs = []
     for grad in (False, True):
         with TieredCache(model, config, "tierkv") as cache, torch.set_grad_enabled(grad):
-            logits = [model(ids, past_key_values=cache, use_cache=True).logits[0, -1]]
+            logits = [model(ids, **cache_kwargs(model, cache), use_cache=True).logits[0, -1]]
             for token in ids[0, :6]:
-                logits.append(model(token.view(1, 1), past_key_values=cache,
+                logits.append(model(token.view(1, 1), **cache_kwargs(model, cache),
                                     use_cache=True).logits[0, -1])
             assert torch.is_grad_enabled() == grad
             assert not any(step.requires_grad for step in logits)
             runs.append(torch.stack(logits))
     assert torch.equal(runs[0], runs[1])
     with TieredCache(model, config, "tierkv") as cache:
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **cache_kwargs(model, cache), use_cache=True)
 
         def broken(*args):
             raise RuntimeError("attention failed")
         monkeypatch.setattr(cache.policy, "attend", broken)
         monkeypatch.setattr(cache.policy, "attend_parts", broken)
         with pytest.raises(RuntimeError, match="attention failed"):
-            model(ids[:, -1:], past_key_values=cache, use_cache=True)
+            model(ids[:, -1:], **cache_kwargs(model, cache), use_cache=True)
         assert torch.is_grad_enabled()
 
 
@@ -647,10 +649,10 @@ def test_tree_folds_run_beside_their_group_and_a_failed_one_stops_the_step(model
     monkeypatch.setattr(GroupIndex, "adapt", adapt)
     config = TierConfig(device_budget="8MB", host_budget="1GB")
     with TieredCache(model, config, "tierkv") as cache, torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **cache_kwargs(model, cache), use_cache=True)
         leaves = [len(index) for index in cache.indexes]
         for token in ids[0, :12]:
-            model(token.view(1, 1), past_key_values=cache, use_cache=True)
+            model(token.view(1, 1), **cache_kwargs(model, cache), use_cache=True)
             assert not cache._folds
         assert threads and all(name.startswith("tierkv-helper") for name in threads)
         assert [len(index) for index in cache.indexes] != leaves
@@ -661,10 +663,10 @@ def test_tree_folds_run_beside_their_group_and_a_failed_one_stops_the_step(model
         monkeypatch.setattr(GroupIndex, "adapt", broken)
         with pytest.raises(ValueError, match="fold failed"):
             for token in ids[0, 12:24]:
-                model(token.view(1, 1), past_key_values=cache, use_cache=True)
+                model(token.view(1, 1), **cache_kwargs(model, cache), use_cache=True)
         with pytest.raises(RuntimeError, match=r"a forward pass failed part-way \(ValueError: "
                                                r"fold failed\)"):
-            model(ids[:, -1:], past_key_values=cache, use_cache=True)
+            model(ids[:, -1:], **cache_kwargs(model, cache), use_cache=True)
 
 
 def test_a_cache_goes_from_inference_mode_to_no_grad_and_back(model_and_tok, passkey_cases):
@@ -676,10 +678,10 @@ def test_a_cache_goes_from_inference_mode_to_no_grad_and_back(model_and_tok, pas
     config = TierConfig(device_budget="8MB", host_budget="1GB")
     with TieredCache(model, config, "tierkv") as cache:
         with torch.inference_mode():
-            out = model.generate(ids, past_key_values=cache, min_new_tokens=24, max_new_tokens=24,
+            out = model.generate(ids, **cache_kwargs(model, cache), min_new_tokens=24, max_new_tokens=24,
                                  do_sample=False)
         with torch.no_grad():
-            out = model.generate(torch.cat([out, ids[:, :5]], 1), past_key_values=cache,
+            out = model.generate(torch.cat([out, ids[:, :5]], 1), **cache_kwargs(model, cache),
                                  min_new_tokens=24, max_new_tokens=24, do_sample=False)
-        model(out[:, -1:], past_key_values=cache, use_cache=True)
+        model(out[:, -1:], **cache_kwargs(model, cache), use_cache=True)
         assert cache.get_seq_length() == out.shape[1]

@@ -17,6 +17,7 @@ import pytest
 from tierkv.cli import describe, main
 from tierkv.storage import CorruptRecordError, DiskTier, DiskWriteError, StorageError
 from tierkv.textgen import make_document, passkey_fact
+from tierkv.hf.model import cache_kwargs
 
 pytestmark = pytest.mark.integration
 
@@ -252,7 +253,7 @@ def two_docs(model_and_tok, tmp_path_factory) -> tuple[Path, dict[str, int]]:
         ids = tok(text, return_tensors="pt")["input_ids"]
         with TieredCache(model, TierConfig(device_budget="8MB", host_budget="64MB"), "full",
                          doc=doc) as cache, torch.no_grad():
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, **cache_kwargs(model, cache), use_cache=True)
             cache.save(path)
         tokens[doc] = ids.shape[1]
     return path, tokens

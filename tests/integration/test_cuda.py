@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from tierkv import SelectConfig, TierConfig, TieredCache
 from tierkv.shapes import KVShape
 from tierkv.textgen import make_document
+from tierkv.hf.model import cache_kwargs
 
 from .common import generate, two_questions
 
@@ -66,10 +67,10 @@ def test_every_policy_decodes_on_the_gpu_within_its_budget(gpu_model, passkey_ca
     with TieredCache(model, config, policy, select=SelectConfig(budget=0.1)) as cache, \
             torch.no_grad():
         out = model.generate(ids, min_new_tokens=12, max_new_tokens=12, do_sample=False,
-                             past_key_values=cache)
+                             **cache_kwargs(model, cache))
         more = torch.cat([out, out[:, -4:]], dim=1)
         out2 = model.generate(more, min_new_tokens=2, max_new_tokens=2, do_sample=False,
-                              past_key_values=cache)
+                              **cache_kwargs(model, cache))
         assert out2.device == ids.device and out2.shape[1] == more.shape[1] + 2
         assert cache.store.device.peak <= cache.store.device.budget
         assert cache.get_seq_length() == more.shape[1] + 1
@@ -113,7 +114,7 @@ def test_gpu_memory_holds_a_fraction_of_the_kv(gpu_model):
         base = torch.cuda.memory_allocated()
         with torch.no_grad():
             model.generate(ids, min_new_tokens=8, max_new_tokens=8, do_sample=False,
-                           past_key_values=cache)
+                           **cache_kwargs(model, cache))
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
 

@@ -11,6 +11,7 @@ import tierkv.scattered
 from tierkv import SelectConfig, TierConfig, TieredCache
 from tierkv.pipeline import Pipeline
 from tierkv.textgen import make_document
+from tierkv.hf.model import cache_kwargs
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(tierkv.kernels.decode_attend_parts is None,
@@ -42,13 +43,13 @@ def test_reading_in_place_decodes_as_the_packed_blocks_do(model_and_tok, monkeyp
             with TieredCache(model, config, "tierkv", select=SelectConfig(fetch_unit=unit)) as cache:
                 assert cache.in_place  # a CPU with the kernel built
                 cache.in_place = in_place
-                out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                out = model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
                 assert cache.policy.preselects(cache, 0)  # its fetch waits for its query
                 steps = [out.logits[0, -1]]
                 follow = follow or [int(steps[0].argmax())]
                 for i in range(10):
                     token = torch.tensor([[follow[i]]])
-                    steps.append(model(token, past_key_values=cache, use_cache=True).logits[0, -1])
+                    steps.append(model(token, **cache_kwargs(model, cache), use_cache=True).logits[0, -1])
                     # each group's records are let go after its last layer, tables too
                     assert not [key for key in cache._step if key[0] in ("fetch", "table")]
                     if not in_place:
@@ -82,14 +83,14 @@ def test_a_group_that_asks_its_last_records_again_reads_the_ones_it_kept(model_a
         for keep in (False, True):
             calls.clear()
             with TieredCache(model, config, "tierkv") as cache:
-                out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                out = model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
                 follow = follow or [int(out.logits[0, -1].argmax())]
                 steps = []
                 for i in range(10):
                     if not keep:
                         cache._kept.clear()
                     token = torch.tensor([[follow[i]]])
-                    steps.append(model(token, past_key_values=cache, use_cache=True).logits[0, -1])
+                    steps.append(model(token, **cache_kwargs(model, cache), use_cache=True).logits[0, -1])
                     if not keep:
                         follow.append(int(steps[-1].argmax()))
                 preselecting = {g for g, group in enumerate(cache.groups)

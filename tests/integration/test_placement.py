@@ -12,6 +12,7 @@ from tierkv.hf.prefill import RANK_SPAN
 from tierkv.policies.tierkv import TierKV
 from tierkv.shapes import KVShape
 from tierkv.textgen import passkey_prompt
+from tierkv.hf.model import cache_kwargs
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +24,7 @@ def _first_step_disk_bytes(model, ids, root):
     config = TierConfig(device_budget="8MB", host_budget=kv // 5, disk_dir=root)
     with TieredCache(model, config, "tierkv", select=SelectConfig(budget=0.1)) as cache, \
             torch.no_grad():
-        logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits
         store = cache.store
         ranked = [(store._ranks.importance(key), store.where(key)) for index in cache.indexes
                   for key in index.keys if store._ranks.importance(key) < PINNED]
@@ -33,7 +34,7 @@ def _first_step_disk_bytes(model, ids, root):
         assert on_host and on_disk, "the host tier must hold part of the prompt"
         assert min(on_host) >= max(on_disk), "a record on disk ranks above one on the host"
         before = cache.stats()["disk_bytes_read"]
-        model(logits[:, -1].argmax(-1, keepdim=True), past_key_values=cache, use_cache=True)
+        model(logits[:, -1].argmax(-1, keepdim=True), **cache_kwargs(model, cache), use_cache=True)
         return cache.stats()["disk_bytes_read"] - before, len({rank for rank, _ in ranked})
 
 
@@ -74,12 +75,12 @@ def test_the_records_a_preselecting_layer_would_fetch_first_are_kept_on_the_host
         config = TierConfig(device_budget="8MB", host_budget=kv // 5, disk_dir=root)
         with TieredCache(model, config, "tierkv", select=SelectConfig(budget=0.1)) as cache, \
                 torch.no_grad():
-            logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            logits = model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits
             assert set(seen) >= set(cache.policy.filters), "the filter layers must preselect"
             kept = [cache.store.where(key) == "host" for layer, leaves in seen.items()
                     for key in cache.index_of(layer).fetch(leaves).keys]
             before = cache.stats()["disk_bytes_read"]
-            model(logits[:, -1].argmax(-1, keepdim=True), past_key_values=cache, use_cache=True)
+            model(logits[:, -1].argmax(-1, keepdim=True), **cache_kwargs(model, cache), use_cache=True)
             return sum(kept) / len(kept), cache.stats()["disk_bytes_read"] - before
 
     kept, read = first_step(tmp_path / "guessed", guess=True)

@@ -12,6 +12,7 @@ from tierkv.hf import admit
 from tierkv.hf.model import load_model
 from tierkv.storage import DiskTier
 from tierkv.textgen import city_fact, make_document, passkey_fact, passkey_prompt, question_turn
+from tierkv.hf.model import cache_kwargs
 
 from .common import LOGIT_ATOL, generate, saved_document
 
@@ -48,7 +49,7 @@ def test_open_refuses_another_model_and_bad_dirs(model_and_tok, tmp_path, monkey
     ids = tok("A short text. " * 40, return_tensors="pt")["input_ids"]
     with TieredCache(model, TierConfig(device_budget="8MB", host_budget="64MB"), "full") as cache:
         with torch.no_grad():
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, **cache_kwargs(model, cache), use_cache=True)
         cache.save(tmp_path / "saved")
     import tierkv.hf.persist as persist
 
@@ -78,7 +79,7 @@ def test_save_writes_host_records_with_the_controllers_codec(model_and_tok, tmp_
     config = TierConfig(device_budget="8MB", host_budget="256MB", disk_dir=tmp_path / "kv")
     with TieredCache(model, config, "tierkv") as cache:
         with torch.no_grad():
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, **cache_kwargs(model, cache), use_cache=True)
         assert cache.stats()["disk_bytes"] == 0  # everything is still on the host
         cache.save(tmp_path / "saved")
     with DiskTier(tmp_path / "saved") as disk:
@@ -95,7 +96,7 @@ def test_a_new_cache_never_writes_over_a_saved_document(model_and_tok, tmp_path)
     other = tok("Another text entirely. " * 30, return_tensors="pt")["input_ids"]
     small = dict(device_budget="8MB", host_budget="64MB")
     with TieredCache(model, TierConfig(**small), "full", doc="doc0") as cache, torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **cache_kwargs(model, cache), use_cache=True)
         cache.save(tmp_path / "saved")
     config = TierConfig(**small, disk_dir=tmp_path / "saved")
     with pytest.raises(ValueError, match="already holds document 'doc0'.*TieredCache.open"):
@@ -103,7 +104,7 @@ def test_a_new_cache_never_writes_over_a_saved_document(model_and_tok, tmp_path)
     on_disk = TierConfig(device_budget="8MB", host_budget=0, disk_dir=tmp_path / "saved")
     with TieredCache(model, on_disk, "full") as cache, torch.no_grad():
         assert cache.doc != "doc0"
-        model(other, past_key_values=cache, use_cache=True)  # its records all go to disk
+        model(other, **cache_kwargs(model, cache), use_cache=True)  # its records all go to disk
         unsaved = cache.doc
         assert unsaved in cache.store.disk.docs()
     with DiskTier(tmp_path / "saved") as disk:  # closed unsaved: no reopening would reach them
@@ -116,7 +117,7 @@ def test_a_new_cache_never_writes_over_a_saved_document(model_and_tok, tmp_path)
         assert torch.equal(reopened.token_ids, ids)
         assert reopened.get_seq_length() == ids.shape[1]
         with torch.no_grad():
-            logits = model(ids[:, -1:], past_key_values=reopened, use_cache=True).logits
+            logits = model(ids[:, -1:], **cache_kwargs(model, reopened), use_cache=True).logits
     with torch.no_grad():
         plain = model(torch.cat([ids, ids[:, -1:]], dim=1)).logits
     assert torch.allclose(logits[0, -1], plain[0, -1], atol=LOGIT_ATOL)
@@ -168,17 +169,17 @@ def test_save_never_replaces_another_document_of_the_same_id(model_and_tok, tmp_
     other = tok("Another text entirely. " * 30, return_tensors="pt")["input_ids"]
     small = TierConfig(device_budget="8MB", host_budget="64MB")
     with TieredCache(model, small, "full", doc="doc0") as cache, torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **cache_kwargs(model, cache), use_cache=True)
         cache.save(tmp_path)
     with TieredCache(model, small, "full", doc="doc0") as cache, torch.no_grad():
-        model(other, past_key_values=cache, use_cache=True)
+        model(other, **cache_kwargs(model, cache), use_cache=True)
         with pytest.raises(ValueError, match="already holds another document 'doc0'"):
             cache.save(tmp_path)
     with TieredCache.open(model, tmp_path, small) as reopened:
         assert torch.equal(reopened.token_ids, ids)
         with torch.no_grad():
             more = tok(" And more.", return_tensors="pt")["input_ids"]
-            model(more, past_key_values=reopened, use_cache=True)
+            model(more, **cache_kwargs(model, reopened), use_cache=True)
         reopened.save(tmp_path / "copy")  # an earlier state of it there: replaced
         with DiskTier(tmp_path / "copy") as disk:
             disk.put(RecordKey("doc0", 0, 10**6, 10**6 + 8), reopened.store.get(
@@ -202,23 +203,23 @@ def test_a_reopened_document_outlives_the_turns_that_reshape_it(model_and_tok, t
     config = TierConfig(device_budget="8MB", host_budget="8MB", disk_dir=tmp_path / "doc")
     with TieredCache(model, config, "tierkv", chunks=ChunkConfig(merge_after=1, desert_threshold=0.9)
                      ) as cache, torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **cache_kwargs(model, cache), use_cache=True)
         cache.save(tmp_path / "doc")
         saved = {key for index in cache.indexes for key in index.keys}
     with TieredCache.open(model, tmp_path / "doc") as cache, torch.no_grad():
-        before = model(ids[:, -1:], past_key_values=cache, use_cache=True).logits
+        before = model(ids[:, -1:], **cache_kwargs(model, cache), use_cache=True).logits
     more = tok(" What is the pass key?", return_tensors="pt", add_special_tokens=False)["input_ids"]
     with TieredCache.open(model, tmp_path / "doc") as cache, torch.no_grad():
-        out = model.generate(torch.cat([ids, more], 1), past_key_values=cache, max_new_tokens=40, min_new_tokens=40,
-                             do_sample=False)
-        model.generate(torch.cat([out, more], 1), past_key_values=cache, max_new_tokens=1,
+        out = model.generate(torch.cat([ids, more], 1), **cache_kwargs(model, cache), max_new_tokens=40,
+                             min_new_tokens=40, do_sample=False)
+        model.generate(torch.cat([out, more], 1), **cache_kwargs(model, cache), max_new_tokens=1,
                        do_sample=False)  # the new turn's prefill compacts the merged chunks
         live = {key for index in cache.indexes for key in index.keys}
         assert saved - live, "no saved record was rewritten: the test lost its point"
         cache.save(tmp_path / "copy")
     with TieredCache.open(model, tmp_path / "doc") as cache, torch.no_grad():
         assert torch.equal(cache.token_ids, ids)
-        after = model(ids[:, -1:], past_key_values=cache, use_cache=True).logits
+        after = model(ids[:, -1:], **cache_kwargs(model, cache), use_cache=True).logits
     assert torch.equal(before, after)
     with DiskTier(tmp_path / "copy") as disk:
         assert set(disk.keys()) == live
@@ -232,12 +233,12 @@ def test_save_and_open_name_their_bad_arguments(model_and_tok, tmp_path):
     config = TierConfig(device_budget="8MB", host_budget="8MB")
     with TieredCache(model, config, "full") as cache, torch.no_grad():
         embeds = torch.nn.functional.embedding(ids, model.get_input_embeddings().weight)
-        model(inputs_embeds=embeds, past_key_values=cache, use_cache=True)
+        model(inputs_embeds=embeds, **cache_kwargs(model, cache), use_cache=True)
         with pytest.raises(ValueError, match=f"holds {ids.shape[1]} tokens but knows the ids of 0"):
             cache.save(tmp_path / "embeds")
     assert not (tmp_path / "embeds").exists()
     with TieredCache(model, config, "full") as cache, torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **cache_kwargs(model, cache), use_cache=True)
         with pytest.raises(ValueError, match="save=5: expected a directory path"):
             cache.save(5)
         cache.save(tmp_path / "doc")
@@ -280,7 +281,7 @@ def test_closing_on_a_full_disk_still_lets_the_document_go(model_and_tok, tmp_pa
     config = TierConfig(device_budget="8MB", host_budget="100KB")
     cache = TieredCache.open(model, tmp_path, config)
     with torch.no_grad():
-        model.generate(torch.cat([ids, ids[:, -8:]], 1), past_key_values=cache, max_new_tokens=8,
+        model.generate(torch.cat([ids, ids[:, -8:]], 1), **cache_kwargs(model, cache), max_new_tokens=8,
                        min_new_tokens=8)
     assert set(cache.store.disk.keys()) - cache.snapshot, "nothing spilled: the test lost its point"
 
@@ -347,7 +348,7 @@ def test_reopening_a_document_again_and_again_does_not_grow_its_directory(model_
     config = TierConfig(device_budget="8MB", host_budget="100KB")
     for _ in range(3):
         with TieredCache.open(model, tmp_path, config) as cache, torch.no_grad():
-            model.generate(torch.cat([ids, ids[:, -8:]], 1), past_key_values=cache,
+            model.generate(torch.cat([ids, ids[:, -8:]], 1), **cache_kwargs(model, cache),
                            max_new_tokens=48, min_new_tokens=48)
     files = sum(p.stat().st_size for p in tmp_path.glob("seg-*.tkv"))
     with DiskTier(tmp_path) as disk:
