@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from concurrent.futures import CancelledError
 from typing import NamedTuple
 
@@ -306,6 +307,35 @@ def test_cancel_and_wait_timeout():
         step.cancel()
         with pytest.raises(CancelledError):
             step.wait(2)
+
+
+
+def test_cancel_returns_once_no_worker_holds_a_cancelled_groups_block():
+    """A group whose block a worker is assembling when the step is cancelled: ``cancel()``
+    returns only after the worker has let that block go, so a caller that then lets the
+    group's device bytes go (``TieredCache``'s prefetches) never holds more than it counts.
+    Without the wait, cancel() returned while the block still lived (0.3 s here)."""
+    store, keys = filled_store()
+    with Pipeline(store, CPU, threads=1) as pipe:
+        real, assembling, made = pipe.transfer.assemble, threading.Event(), []
+
+        def slow(*args, **kwargs):
+            delivery = real(*args, **kwargs)
+            made.append(weakref.ref(delivery))
+            assembling.set()
+            time.sleep(0.3)  # the copy to the device still running
+            return delivery
+        pipe.transfer.assemble = slow
+        step = pipe.submit(FetchPlan([(0, keys[0])]))
+        assert assembling.wait(5)
+        step.cancel()
+        assert made[0]() is None  # no longer held by the worker (nor by the future)
+        with pytest.raises(CancelledError):
+            step.wait(0)
+        delivered = pipe.submit(FetchPlan([(1, keys[1])]))  # a delivered group stays delivered
+        assert_identical(delivered.wait(1), sync_reference(store, keys[1]))
+        delivered.cancel()
+        assert_identical(delivered.wait(1), sync_reference(store, keys[1]))
 
 
 # -- the real store -------------------------------------------------------------------------

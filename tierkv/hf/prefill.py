@@ -28,6 +28,7 @@ either way.
 """
 from __future__ import annotations
 
+from concurrent import futures
 from typing import NamedTuple
 
 import torch
@@ -114,8 +115,9 @@ def _staged(cache, g: int, layer: int, spec) -> _Pass:
     if ahead is not None and ahead[0] == (g, spec.keys) and ahead[1][0] == layer:
         layers, read, parts = ahead[1], ahead[2], ahead[3].result()
     else:
-        if ahead is not None:
-            ahead[3].cancel()
+        if ahead is not None and not ahead[3].cancel():  # a read under way: let it end, and
+            futures.wait([ahead[3]])  # its bytes go before this pass is read
+        ahead = None
         layers, read = _pass_layers(cache, g, layer, spec)
         parts = _stage(cache, g, spec, layers)
     cache.prefill_staged = held = _Pass(g, spec.keys, layers, parts, set(layers), read)

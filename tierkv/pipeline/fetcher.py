@@ -48,6 +48,8 @@ class StepHandle:
         self.plan = plan
         self.futures: dict[int, Future] = {g.group: Future() for g in plan.groups}
         self.ready = transfer.mark_ready()
+        self._lock = threading.Lock()
+        self._running: dict[int, threading.Event] = {}  # groups a worker is fetching now
         self._transfer = transfer
         self._metrics = metrics
 
@@ -79,9 +81,32 @@ class StepHandle:
         return self.futures[group].done()
 
     def cancel(self) -> None:
-        """Drop the groups not yet delivered; their ``wait`` raises CancelledError."""
-        for future in self.futures.values():
-            future.cancel()
+        """Drop the groups not yet delivered; their ``wait`` raises CancelledError. Returns once
+        no worker is fetching any of them (a fetch under way stops at its next stage), so what
+        such a fetch had put on the device is gone before the caller lets the group's device
+        bytes go. The wait counts as stall."""
+        cancelled = [group for group, future in self.futures.items() if future.cancel()]
+        with self._lock:
+            running = [self._running[g] for g in cancelled if g in self._running]
+        if running:
+            start = time.perf_counter()
+            for ended in running:
+                ended.wait()
+            self._metrics.record_stall(time.perf_counter() - start)
+
+    def _start(self, group: int) -> threading.Event | None:
+        """For the worker about to fetch ``group``: an event to set when it is done, or None
+        when the group was already cancelled, delivered or failed (nothing to fetch)."""
+        with self._lock:
+            if self.futures[group].done():
+                return None
+            ended = self._running[group] = threading.Event()
+            return ended
+
+    def _end(self, group: int, ended: threading.Event) -> None:
+        with self._lock:
+            del self._running[group]
+        ended.set()
 
     def abort(self, exc: BaseException) -> None:
         """Fail every group not yet delivered with ``exc``."""
@@ -228,19 +253,23 @@ class Pipeline:
 
     def _run(self, handle: StepHandle, group: GroupFetch) -> None:
         future = handle.futures[group.group]
+        ended = handle._start(group.group)
+        if ended is None:  # cancelled (or failed by close) before a worker took it
+            return
         delivered = []
 
-        def deliver(delivery: Delivery) -> None:
-            delivered.append(delivery)
+        def deliver(delivery: Delivery) -> None:  # the store's bookkeeping follows, in this thread
+            delivered.append(True)
             settle(future, result=delivery)
         try:
-            if not future.done():
-                self._fetcher.fetch(group, handle.ready, future.done, deliver)
+            self._fetcher.fetch(group, handle.ready, future.done, deliver)
         except BaseException as exc:  # surfaced from wait(group), never lost in the pool
             if not delivered:
                 settle(future, exc=exc)
             else:  # the store's bookkeeping after the delivery
                 self._keep_late(group.group, exc)
+        finally:
+            handle._end(group.group, ended)
 
     def _keep_late(self, group: int, exc: BaseException) -> None:
         """Keep the first failure after a delivery, for the next submit() or fetch_now()."""
