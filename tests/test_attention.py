@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import tierkv.kernels
-from tierkv.attention import (DecodeAccumulator, causal_attention, decode_attention,
-                              recent_query_mass)
+from tierkv.attention import (DecodeAccumulator, attention_with_mass, causal_attention,
+                              decode_attention, recent_query_mass)
 
 needs_native = pytest.mark.skipif(tierkv.kernels.decode_attend is None,
                                   reason="tierkv._native's kernels are not built or not for this CPU")
@@ -265,6 +265,25 @@ def test_recent_query_mass_is_their_causal_softmax_summed(t, queries):
     assert got.shape == (n,) and got.dtype == torch.float32
     assert torch.allclose(got, want, atol=1e-5)
     assert got.sum().item() == pytest.approx(q_heads * min(t, queries), rel=1e-5)
+
+
+@pytest.mark.parametrize("heads, kv_heads, t, n", [(9, 3, 18, 90), (4, 4, 1, 30), (8, 2, 32, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_with_mass_is_both_in_one_pass(heads, kv_heads, t, n, dtype):
+    """A short prompt's attention and the mass its queries pay each key, from one set of
+    probabilities: the output of ``causal_attention`` and the mass of ``recent_query_mass``
+    over all of its queries."""
+    gen = torch.Generator().manual_seed(heads * n + t)
+    q = torch.randn(heads, t, 16, generator=gen).to(dtype)
+    k, v = torch.randn(2, kv_heads, n, 16, generator=gen).to(dtype)
+    out, mass = attention_with_mass(q, k, v, 0.25)
+    ref, _ = _causal_reference(q.float(), k.float(), v.float(), 0.25)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.dtype == dtype
+    assert torch.allclose(out.double(), ref, atol=tol), (out.double() - ref).abs().max()
+    assert mass.dtype == torch.float32
+    assert torch.allclose(mass, recent_query_mass(q, k, 0.25, t), atol=1e-5)
+    assert torch.allclose(mass, recent_query_mass(q, k, 0.25, 64), atol=1e-5)
 
 
 def test_degenerate_shapes_refused_by_name():

@@ -26,8 +26,8 @@ class Watch:
         self.cache, self.most, self.passes = cache, 0, []
         sealed, stage = prefill.sealed_layer_kv, prefill._stage
 
-        def watched_sealed(cache, layer):
-            out = sealed(cache, layer)
+        def watched_sealed(cache, layer, window):
+            out = sealed(cache, layer, window)
             if cache is self.cache:
                 self.most = max(self.most, self.held())
             return out

@@ -82,6 +82,33 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     return out, mass
 
 
+def attention_with_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``causal_attention`` of a few new queries (a question to a saved document) and, from the
+    same probabilities, ``recent_query_mass`` of all of them: one pass over the keys where the
+    two took two. One kv head at a time: ``group * t * n`` fp32 scores at once, so for short
+    prompts (``t`` up to a few dozen). SmolLM2's shapes over 7.6K keys on the 2-core CPU
+    (2026-11-29): 5.5 against 9.7 ms for 18 queries, 10.5 against 16.0 for 32 (outputs within
+    2e-7, masses equal).
+
+    q : Tensor, shape (q_heads, t, head_dim); k, v : Tensor, shape (kv_heads, n >= t, head_dim).
+    Returns out, shape (q_heads, t, head_dim), and the mass, shape (n,), fp32.
+    """
+    heads, t, dim = q.shape
+    kv_heads, n, _ = k.shape
+    group = heads // kv_heads
+    rows = torch.arange(n - t, n, device=q.device).unsqueeze(1)
+    allowed = torch.arange(n, device=q.device).unsqueeze(0) <= rows  # (t, n)
+    out = torch.empty_like(q)
+    mass = torch.zeros(n, dtype=torch.float32, device=q.device)
+    for h in range(kv_heads):
+        heads_of = slice(h * group, (h + 1) * group)
+        probs = _probs(q[heads_of], k[h:h + 1], scaling, allowed)  # (1, group, t, n)
+        mass += probs.sum(dim=(0, 1, 2))
+        out[heads_of] = _weighted(probs, v[h:h + 1]).reshape(group, t, dim)
+    return out, mass
+
+
 def recent_query_mass(q: torch.Tensor, k: torch.Tensor, scaling: float, queries: int) -> torch.Tensor:
     """Attention mass each of ``n`` keys gets from the last ``queries`` of ``t`` new queries
     (query ``i`` at position ``n - t + i`` sees keys up to it), summed over those queries and all

@@ -154,7 +154,7 @@ class GroupIndex:
             return torch.zeros(0, dtype=torch.long)
         lens = self.tree.sizes
         forced = self.starts < sinks
-        order = torch.argsort(scores.masked_fill(forced, float("inf")), descending=True)
+        order = torch.argsort(scores.masked_fill(forced, float("inf")), descending=True, stable=True)
         fits = torch.cumsum(lens[order], 0) <= max(budget_tokens, int(lens[forced].sum()))
         return torch.sort(order[fits | forced[order]]).values
 

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..attention import causal_attention, recent_query_mass
+from ..attention import attention_with_mass, causal_attention, recent_query_mass
 
 FETCH_BATCH_BYTES = 8 << 20
 RECENT_QUERIES = 32  # the prompt's last queries whose attention ranks its records for the host
@@ -47,15 +47,19 @@ def prefill_attention(cache, layer: int, q: torch.Tensor, scaling: float) -> tor
     Returns Tensor, shape (q_heads, t, head_dim).
     """
     wk, wv = cache._window[layer]
-    old_k, old_v = sealed_layer_kv(cache, layer)
-    k = torch.cat([old_k, wk], dim=1) if old_k.shape[1] else wk
-    v = torch.cat([old_v, wv], dim=1) if old_v.shape[1] else wv
-    cache.reserve(f"prefill:{layer}", old_k.nbytes + old_v.nbytes)
+    k, v, sealed = sealed_layer_kv(cache, layer, (wk, wv))
+    cache.reserve(f"prefill:{layer}", sealed)
+    ranks = cache.store.disk is not None  # the prompt's last queries rank its records
     try:
-        out, mass = causal_attention(q, k, v, scaling, cache.prefill_block,
-                                     column_mass=cache.policy.wants_prefill_mass)
-        if cache.store.disk is not None:
-            cache.prompt_mass[layer] = recent_query_mass(q, k, scaling, RECENT_QUERIES).cpu()
+        if ranks and q.shape[1] <= RECENT_QUERIES and not cache.policy.wants_prefill_mass:
+            out, recent = attention_with_mass(q, k, v, scaling)  # a question: one pass for both
+            mass = None
+        else:
+            out, mass = causal_attention(q, k, v, scaling, cache.prefill_block,
+                                         column_mass=cache.policy.wants_prefill_mass)
+            recent = recent_query_mass(q, k, scaling, RECENT_QUERIES) if ranks else None
+        if ranks:
+            cache.prompt_mass[layer] = recent.cpu()
             cache.prompt_query[layer] = q[:, -1].cpu()
     finally:
         cache.store.device.reserve(f"prefill:{layer}", 0)
@@ -75,8 +79,10 @@ class _Pass(NamedTuple):
     read: int  # bytes of ``parts`` read from disk (new memory)
 
 
-def sealed_layer_kv(cache, layer: int):
-    """All sealed K and V of one layer, shape (kv_heads, sealed, head_dim) each, on the device.
+def sealed_layer_kv(cache, layer: int, window):
+    """All of one layer's K and V, its sealed tokens followed by ``window`` (its recent window's
+    keys and values, on the device): (k, v, bytes of the sealed tokens), k and v of shape
+    (kv_heads, sealed + window, head_dim), on the device (one copy of each sealed token).
 
     Records hold a whole layer group, and a continuing prompt attends over each layer's whole
     KV: the group's records are read a few at a time, and each layer copies its own slice to the
@@ -92,17 +98,22 @@ def sealed_layer_kv(cache, layer: int):
     g = cache.group_of[layer]
     spec = cache.indexes[g].fetch(None)
     if not spec.keys:
-        empty = torch.zeros(cache.shape.kv_heads, 0, cache.shape.head_dim, dtype=cache.shape.dtype,
-                            device=cache.device)
-        return empty, empty
+        return window[0], window[1], 0
     held = _staged(cache, g, layer, spec)
     i = held.layers.index(layer)
-    k = torch.cat([part[0][i] for part in held.parts], dim=1).to(cache.device)
-    v = torch.cat([part[1][i] for part in held.parts], dim=1).to(cache.device)
+    k, v = (_joined([part[j][i] for part in held.parts], window[j], cache.device) for j in (0, 1))
     held.left.discard(layer)
     if not held.left:
         cache.prefill_staged = None
-    return k, v
+    return k, v, (k.shape[1] - window[0].shape[1]) * cache.shape.token_bytes(1)
+
+
+def _joined(parts: list, tail: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``parts`` (on the host or the device) and then ``tail`` (on ``device``), concatenated
+    along the token axis on ``device``."""
+    if all(part.device == tail.device for part in parts):
+        return torch.cat(parts + [tail], dim=1)
+    return torch.cat([torch.cat(parts, dim=1).to(device), tail], dim=1)
 
 
 def _staged(cache, g: int, layer: int, spec) -> _Pass:
