@@ -338,6 +338,33 @@ def test_cancel_returns_once_no_worker_holds_a_cancelled_groups_block():
         assert_identical(delivered.wait(1), sync_reference(store, keys[1]))
 
 
+
+def test_cancel_does_not_wait_for_a_read_that_has_put_nothing_on_the_device():
+    """A group still being read from disk when its step is cancelled: ``cancel()`` returns at
+    once (nothing of it is on the device; the read stops at its next stage), where waiting
+    would hold the decoding thread for the whole read."""
+    store, keys = filled_store()
+    gate, real = threading.Event(), store.disk.read_raw_many
+
+    def held_read(keys):
+        store.disk.started.set()
+        assert gate.wait(10)
+        return real(keys)
+    store.disk.read_raw_many = held_read
+    with Pipeline(store, CPU, threads=1) as pipe:
+        step = pipe.submit(FetchPlan([(0, keys[0])]))
+        assert store.disk.started.wait(5)
+        cancelling = threading.Thread(target=step.cancel)
+        cancelling.start()
+        cancelling.join(5)
+        returned = not cancelling.is_alive()
+        gate.set()  # the read ends now (the worker then stops before the device copy)
+        assert returned
+        with pytest.raises(CancelledError):
+            step.wait(0)
+        assert pipe.wait_idle(5)
+
+
 # -- the real store -------------------------------------------------------------------------
 def test_real_store_bit_identical_and_cached(tmp_path):
     from tierkv.config import TierConfig

@@ -82,7 +82,7 @@ class _Pass(NamedTuple):
 def sealed_layer_kv(cache, layer: int, window):
     """All of one layer's K and V, its sealed tokens followed by ``window`` (its recent window's
     keys and values, on the device): (k, v, bytes of the sealed tokens), k and v of shape
-    (kv_heads, sealed + window, head_dim), on the device (one copy of each sealed token).
+    (kv_heads, sealed + window, head_dim), on the device (on a CPU, one copy of each sealed token).
 
     Records hold a whole layer group, and a continuing prompt attends over each layer's whole
     KV: the group's records are read a few at a time, and each layer copies its own slice to the

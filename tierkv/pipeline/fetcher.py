@@ -13,6 +13,7 @@ failure there is raised by the next ``submit`` or ``fetch_now``.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import weakref
@@ -81,10 +82,10 @@ class StepHandle:
         return self.futures[group].done()
 
     def cancel(self) -> None:
-        """Drop the groups not yet delivered; their ``wait`` raises CancelledError. Returns once
-        no worker is fetching any of them (a fetch under way stops at its next stage), so what
-        such a fetch had put on the device is gone before the caller lets the group's device
-        bytes go. The wait counts as stall."""
+        """Drop the groups not yet delivered; their ``wait`` raises CancelledError. A fetch still
+        reading or decoding stops at its next stage, unwaited (nothing of it is on the device);
+        one already putting its block on the device is waited for, so that block is gone before
+        the caller lets the group's device bytes go. That wait counts as stall."""
         cancelled = [group for group, future in self.futures.items() if future.cancel()]
         with self._lock:
             running = [self._running[g] for g in cancelled if g in self._running]
@@ -94,19 +95,21 @@ class StepHandle:
                 ended.wait()
             self._metrics.record_stall(time.perf_counter() - start)
 
-    def _start(self, group: int) -> threading.Event | None:
-        """For the worker about to fetch ``group``: an event to set when it is done, or None
-        when the group was already cancelled, delivered or failed (nothing to fetch)."""
+    def _claim(self, group: int) -> bool:
+        """For the worker about to put ``group``'s block on the device: False when the group
+        was cancelled (or settled) meanwhile; else ``cancel()`` waits for it from now on, until
+        ``_release``."""
         with self._lock:
             if self.futures[group].done():
-                return None
-            ended = self._running[group] = threading.Event()
-            return ended
+                return False
+            self._running[group] = threading.Event()
+            return True
 
-    def _end(self, group: int, ended: threading.Event) -> None:
+    def _release(self, group: int) -> None:
         with self._lock:
-            del self._running[group]
-        ended.set()
+            ended = self._running.pop(group, None)
+        if ended is not None:
+            ended.set()
 
     def abort(self, exc: BaseException) -> None:
         """Fail every group not yet delivered with ``exc``."""
@@ -253,23 +256,22 @@ class Pipeline:
 
     def _run(self, handle: StepHandle, group: GroupFetch) -> None:
         future = handle.futures[group.group]
-        ended = handle._start(group.group)
-        if ended is None:  # cancelled (or failed by close) before a worker took it
-            return
         delivered = []
 
         def deliver(delivery: Delivery) -> None:  # the store's bookkeeping follows, in this thread
             delivered.append(True)
             settle(future, result=delivery)
         try:
-            self._fetcher.fetch(group, handle.ready, future.done, deliver)
+            if not future.done():
+                self._fetcher.fetch(group, handle.ready, future.done, deliver,
+                                    claim=functools.partial(handle._claim, group.group))
         except BaseException as exc:  # surfaced from wait(group), never lost in the pool
             if not delivered:
                 settle(future, exc=exc)
             else:  # the store's bookkeeping after the delivery
                 self._keep_late(group.group, exc)
         finally:
-            handle._end(group.group, ended)
+            handle._release(group.group)
 
     def _keep_late(self, group: int, exc: BaseException) -> None:
         """Keep the first failure after a delivery, for the next submit() or fetch_now()."""

@@ -46,7 +46,8 @@ class GroupFetcher:
 
     def fetch(self, group: GroupFetch, ready, stopped: Callable[[], bool],
               deliver: Callable[[Delivery], None] | None = None,
-              later: Callable[..., None] | None = None) -> Delivery:
+              later: Callable[..., None] | None = None,
+              claim: Callable[[], bool] | None = None) -> Delivery:
         """The group's records, concatenated on the device; stops early once ``stopped()``.
 
         ``deliver(delivery)``, when given, is called as soon as the block is assembled. What the
@@ -56,6 +57,8 @@ class GroupFetcher:
         the fetch threads' ~44 ms a step, and every group's fetch is waited for within ~2 ms of
         its submission (a filter layer chooses just before the layers that read its choice).
         ``later(fn, *args)``, when given, runs that bookkeeping instead (on another thread).
+        ``claim()``, when given, is asked right before the block is put on the device: False
+        stops the fetch there (CancelledError), as ``stopped()`` does.
         """
         start = time.perf_counter()
         try:
@@ -64,6 +67,8 @@ class GroupFetcher:
                 self._from_disk(group, on_disk, parts, stopped)
             _check_alike(group, parts, on_disk)
             _raise_if(stopped)
+            if claim is not None and not claim():
+                raise CancelledError()
             copy_start = time.perf_counter()
             delivery = self.transfer.assemble(
                 parts, ready, lambda block: self._admit(group, parts, on_disk, block), group.spare,
