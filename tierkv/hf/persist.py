@@ -6,6 +6,7 @@ chunk indexes, the unsealed recent windows and the token ids of the cached seque
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -77,22 +78,39 @@ def save(cache, path) -> Path:
             disk.hold_doc(cache.doc)
             disk.refresh()
             _check_replaceable(disk, cache, identity)
+        meta, arrays = _meta(cache, identity), _arrays(cache)
         keys = [key for index in cache.indexes for key in index.keys]
-        for key in keys:
-            if not (same and cache.store.where(key) == "disk"):
-                block = cache.store.get(key)
-                disk.put(key, block, codec=cache.store.disk_codec(key, block))
-        disk.set_doc_meta(cache.doc, _meta(cache, identity), _arrays(cache))
-        disk.flush()
+        _write(disk, cache, keys, meta, arrays, same)
+        if same:  # the saved state now; close() removes what the document does not list
+            cache.snapshot = set(keys)
         kept = set(keys)  # then the records of the state this one replaces, no longer used
         if disk.remove_many([k for k in disk.keys() if k.doc == cache.doc and k not in kept]):
             disk.flush()
-        if same:
-            cache.snapshot = set(disk.keys())
     finally:
         if not same:
             disk.close()
     return path
+
+
+def _write(disk: DiskTier, cache, keys: list, meta: dict, arrays: dict, same: bool) -> None:
+    """Write ``keys``' records and then the document's metadata, and flush. On any failure
+    (a full disk, Ctrl-C) the directory is left as it was: the metadata it replaced put back,
+    the records it added removed (as far as the disk lets them go), the error raised."""
+    previous, before, added = disk.doc_meta_state(cache.doc), set(disk.keys()), []
+    try:
+        for key in keys:  # one the directory holds is this document's, of the same tokens
+            if key not in before:  # (``_check_replaceable``): written once, not at every save
+                block = cache.store.get(key)
+                disk.put(key, block, codec=cache.store.disk_codec(key, block))
+                added.append(key)
+        disk.set_doc_meta(cache.doc, meta, arrays)
+        disk.flush()
+    except BaseException:
+        disk.restore_doc_meta(cache.doc, previous)
+        with contextlib.suppress(Exception):  # the first error is the one to report
+            disk.remove_many(added)
+            disk.flush()
+        raise
 
 
 def _check_replaceable(disk: DiskTier, cache, identity: dict) -> None:
@@ -115,6 +133,13 @@ def _check_replaceable(disk: DiskTier, cache, identity: dict) -> None:
         raise ValueError(f"{disk.path} already holds another document {doc!r} (not an earlier "
                          "state of this one): save to another directory, or delete it there "
                          "first (DiskTier.delete_doc)")
+    groups = [list(g) for g in cache.groups]
+    if meta.get("groups") != groups:  # its records' keys would name other layers' KV
+        raise ValueError(f"{disk.path} holds an earlier state of document {doc!r} with other "
+                         f"layer groups ({meta.get('policy')!r}: {meta.get('groups')}; this "
+                         f"cache's {cache.policy.name!r}: {groups}), which cannot be replaced "
+                         "record by record: save to another directory, or delete it there "
+                         "first (DiskTier.delete_doc)")
 
 
 def _meta(cache, identity: dict) -> dict:
@@ -130,6 +155,7 @@ def _arrays(cache) -> dict[str, torch.Tensor]:
         arrays.update({f"g{g}.{name}": t for name, t in index.state().items()})
     for layer, (k, v) in enumerate(cache._window):
         arrays[f"l{layer}.wk"], arrays[f"l{layer}.wv"] = k.cpu(), v.cpu()
+    arrays.update({f"p.{name}": t.cpu() for name, t in cache.policy.state().items()})
     return {name: t.contiguous().clone() for name, t in arrays.items()}
 
 
@@ -219,6 +245,7 @@ def open_cache(cls, model, path, config: TierConfig | None = None, policy: str |
                 _resume=True)
     try:
         _check_unchanged(cache, meta, arrays)
+        _check_disk_budget(cache.store.disk, path)
         _restore(cache, meta, arrays)
     except KeyError as exc:
         cache.close()
@@ -228,6 +255,15 @@ def open_cache(cls, model, path, config: TierConfig | None = None, policy: str |
         raise
     cache.snapshot = set(cache.store.disk.keys())
     return cache
+
+
+def _check_disk_budget(disk: DiskTier, path) -> None:
+    """Refuse a disk budget the directory already exceeds: the first record the document then
+    seals (its next turn's) would fail mid-pass."""
+    if disk.budget is not None and disk.used > disk.budget:
+        raise ValueError(f"{path} holds {disk.used} B of records, more than the disk budget of "
+                         f"{disk.budget} B it was opened with: open it with a disk_budget of "
+                         f"more than {disk.used} B (TierConfig.disk_budget), or None")
 
 
 def _check_unchanged(cache, meta: dict, arrays: dict) -> None:
@@ -272,6 +308,8 @@ def _restore(cache, meta: dict, arrays: dict) -> None:
         cache._window[layer] = (k.to(cache.device, cache.shape.dtype), v.to(cache.device, cache.shape.dtype))
         cache.reserve(f"window:{layer}", k.nbytes + v.nbytes)
     cache.token_ids = arrays["token_ids"].view(1, -1).long()
+    if meta["policy"] == cache.policy.name:  # another policy starts from its own first step
+        cache.policy.load_state({k[2:]: t for k, t in arrays.items() if k.startswith("p.")})
     if cache.get_seq_length() != meta["tokens"] or cache.token_ids.shape[1] != meta["tokens"]:
         raise ValueError(f"saved document {cache.doc!r} is inconsistent: {meta['tokens']} tokens "
                          f"recorded, {cache.get_seq_length()} restored with the ids of "

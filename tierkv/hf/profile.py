@@ -8,6 +8,7 @@ another model of the same id is refused, not half applied.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from ..policies.base import filter_layers_of, retrieval_heads_of
@@ -58,6 +59,10 @@ def check_profile(profile, layers: int, kv_heads: int, source: str = "profile=",
     if "retrieval_heads" in profile:
         retrieval_heads_of(profile["retrieval_heads"], layers, f"{source}: retrieval_heads",
                            kv_heads, hint)
+    try:  # a saved document carries it as JSON: refused now, not after its records are written
+        json.dumps(profile, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{source}: not JSON without NaN or inf ({exc})") from None
 
 
 def save_profile(profile: dict, name: str, directory: Path = PROFILES) -> Path:
@@ -80,5 +85,7 @@ def save_profile(profile: dict, name: str, directory: Path = PROFILES) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.json"
-    path.write_text(text)
+    tmp = directory / f".{name}.json.tmp"  # a write cut short leaves the old profile whole
+    tmp.write_text(text)
+    os.replace(tmp, path)
     return path

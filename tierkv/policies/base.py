@@ -65,6 +65,18 @@ def filter_layers_of(filters, layers: int, name: str, hint: str = "") -> tuple[i
     return tuple(filters)
 
 
+def per_layer(name: str, tensors: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{layer: tensor}`` as ``state``'s ``{"<name>.<layer>": tensor}``."""
+    return {f"{name}.{layer}": t for layer, t in tensors.items()}
+
+
+def layers_of(name: str, arrays: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """The ``{layer: tensor}`` that ``per_layer(name, ...)`` saved in ``arrays``."""
+    prefix = f"{name}."
+    return {int(k[len(prefix):]): t.clone() for k, t in arrays.items()
+            if k.startswith(prefix) and k[len(prefix):].isdigit()}
+
+
 def retrieval_heads_of(heads, layers: int, name: str, kv_heads: int | None = None,
                        hint: str = "") -> dict[int, list[int]]:
     """``{layer: [KV heads]}`` from a profile's ``retrieval_heads`` (layers as ints or decimal
@@ -171,6 +183,15 @@ class Policy:
         prompt's last, a decode step's: a prefill ranks their records first for the host tier
         (``prefill.prompt_ranks``). None: no such guess (the prompt's attention ranks them)."""
         return None
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """What the policy built up over the steps so far and reads in the next ones, by name
+        (``[a-z]+.<layer>``): saved with a document, so that a reopened one goes on as the live
+        cache would. Default: nothing."""
+        return {}
+
+    def load_state(self, arrays: dict[str, torch.Tensor]) -> None:
+        """Take back what ``state`` gave (a reopened document saved under this policy)."""
 
     def observe_prefill(self, cache, layer: int, mass: torch.Tensor) -> None:
         """Called after each prefill pass of a layer, mass : Tensor, shape (kv_heads, n)."""

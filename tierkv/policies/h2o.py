@@ -6,7 +6,7 @@ storage, the policy just never attends to them again.
 import torch
 
 from ..attention import scored_decode_attention
-from .base import Policy, on_device, register
+from .base import Policy, layers_of, on_device, per_layer, register
 
 
 @register
@@ -21,6 +21,12 @@ class H2O(Policy):
         super().__init__(layers, select, chunks, profile)
         self._acc: dict[int, torch.Tensor] = {}
         self._evicted: dict[int, torch.Tensor] = {}
+
+    def state(self):
+        return {**per_layer("acc", self._acc), **per_layer("evicted", self._evicted)}
+
+    def load_state(self, arrays):
+        self._acc, self._evicted = layers_of("acc", arrays), layers_of("evicted", arrays)
 
     def observe_prefill(self, cache, layer, mass):
         acc = self._grow(cache, self._acc.get(layer), mass.shape[1])

@@ -21,7 +21,7 @@ import torch
 from .. import kernels
 from ..attention import scored_decode_attention
 from ..scattered import attend_parts
-from .base import Policy, filter_layers_of, keys_gather, register
+from .base import Policy, filter_layers_of, keys_gather, layers_of, per_layer, register
 
 # Proposed by `tierkv calibrate` for SmolLM2-135M (inter-layer attention similarity).
 DEFAULT_FILTERS = (2, 8, 16)
@@ -83,6 +83,12 @@ class OmniKV(Policy):
     @property
     def chunk_tokens(self) -> int:
         return self.chunks.base
+
+    def state(self):
+        return per_layer("smoothed", self._smoothed)  # the selectors' running scores
+
+    def load_state(self, arrays):
+        self._smoothed = layers_of("smoothed", arrays)
 
     def record_tokens(self, group):
         if group[0] < self.filters[0] or self._full_after(group):

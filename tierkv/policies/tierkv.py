@@ -94,7 +94,7 @@ went from 0.745 / 0.859 / 0.906 to 0.755 / 0.849 / 0.901: not kept.
 """
 import torch
 
-from .base import register
+from .base import layers_of, per_layer, register
 from .omnikv import OmniKV
 
 PRESELECT_FACTOR = 4
@@ -116,6 +116,14 @@ class TierKV(OmniKV):
         self._queries: dict[int, torch.Tensor] = {}  # layer -> its last decode query, CPU
         self._ahead: dict[int, tuple[int, torch.Tensor]] = {}  # layer -> (sealed, candidates)
         self._fetched: dict[int, torch.Tensor] = {}  # layer -> the candidates it fetched last
+
+    def state(self):  # the last step's queries (fetch_ahead ranks by them) and candidates
+        return {**super().state(), **per_layer("query", self._queries),
+                **per_layer("fetched", self._fetched)}
+
+    def load_state(self, arrays):
+        super().load_state(arrays)
+        self._queries, self._fetched = layers_of("query", arrays), layers_of("fetched", arrays)
 
     def preselects(self, cache, layer):
         """Whether ``layer`` preselects: a filter layer, or one before the first (which

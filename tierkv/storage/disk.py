@@ -347,6 +347,17 @@ class DiskTier(Tier):
         with self._lock:
             self._meta.set(doc, meta, arrays)
 
+    def doc_meta_state(self, doc: str):
+        """``doc``'s metadata as it is now (None: it has none), for ``restore_doc_meta`` to put
+        back when what replaces it cannot be flushed."""
+        with self._lock:
+            return self._meta.state(doc)
+
+    def restore_doc_meta(self, doc: str, state) -> None:
+        """Put back the metadata ``doc_meta_state`` took (saved by the next ``flush``)."""
+        with self._lock:
+            self._meta.restore(doc, state)
+
     def doc_meta(self, doc: str) -> tuple[dict, dict[str, torch.Tensor]]:
         """Copies of the metadata and tensors of ``doc``; KeyError when it has none."""
         return self._meta.get(doc)

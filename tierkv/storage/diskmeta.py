@@ -70,6 +70,20 @@ class DocMeta:
         meta = json.loads(json.dumps(self._entries[doc]["meta"]))
         return meta, {n: t.clone() for n, t in self._arrays.get(doc, {}).items()}
 
+    def state(self, doc: str):
+        """``doc``'s entry as it is now (None: it has none), for ``restore``."""
+        if doc not in self._entries:
+            return None
+        return dict(self._entries[doc]), dict(self._arrays.get(doc, {}))
+
+    def restore(self, doc: str, state) -> None:
+        """Put back what ``state`` took (saved by the next ``save``)."""
+        if state is None:
+            self.drop(doc)
+            return
+        self._entries[doc], self._arrays[doc] = state
+        self._dirty.add(doc)
+
     def drop(self, doc: str) -> None:
         self._entries.pop(doc, None)
         self._arrays.pop(doc, None)
