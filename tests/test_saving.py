@@ -186,3 +186,45 @@ def test_a_reopened_document_goes_on_as_the_live_cache(tmp_path, policy, selecto
     assert torch.equal(live.sequences, again.sequences)
     for a, b in zip(live.scores, again.scores):
         assert torch.equal(a, b)
+
+
+KILLED_RUN = """
+import os, sys, torch
+from tierkv import TierConfig, TieredCache
+from tierkv.hf.model import cache_kwargs
+from tinyllama import ids, tiny
+model = tiny()
+cache = TieredCache.open(model, sys.argv[1], TierConfig(device_budget="1MB", host_budget="1KB"))
+with torch.no_grad():
+    model(ids(120, seed=3), **cache_kwargs(model, cache), use_cache=True)
+os._exit(0)  # killed: its records past the saved state stay in the directory, listed nowhere
+"""
+
+
+def test_a_killed_runs_records_are_never_taken_for_the_saved_states(tmp_path):
+    """A reopened document continued by a process that died leaves records of its id past the
+    saved state. A later cache of the document going on with other tokens seals records of
+    the same bounds; its save must write them over the dead run's (a save that skipped every
+    key the directory held listed the dead run's KV: the reopened document then answered
+    otherwise than the live cache)."""
+    import os
+    import subprocess
+    import sys
+
+    model, where = tiny(), tmp_path / "doc"
+    with prefilled(model, TierConfig(device_budget="1MB", host_budget="16KB", disk_dir=where)) as c:
+        c.save(where)
+    tests = os.path.dirname(__file__)
+    subprocess.run([sys.executable, "-c", KILLED_RUN, str(where)], check=True, cwd=tests,
+                   env={**os.environ, "PYTHONPATH": tests})
+    with DiskTier(where) as disk:
+        assert any(key.end > 300 for key in disk.keys())  # the dead run's records
+    cache = TieredCache.open(model, where, TierConfig(device_budget="1MB", host_budget="64MB"))
+    with torch.no_grad():
+        model(ids(120, seed=5), **cache_kwargs(model, cache), use_cache=True)
+        cache.save(where)
+        live = model(ids(3, seed=4), **cache_kwargs(model, cache), use_cache=True).logits
+    cache.close()
+    with TieredCache.open(model, where) as reopened, torch.no_grad():
+        again = model(ids(3, seed=4), **cache_kwargs(model, reopened), use_cache=True).logits
+    assert torch.equal(live, again)

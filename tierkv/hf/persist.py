@@ -17,6 +17,7 @@ import torch
 
 from ..config import ChunkConfig, SelectConfig, TierConfig
 from ..shapes import KVShape, text_config
+from ..storage.base import RecordKey
 from ..storage.disk import DiskTier
 from ..storage.manifest import MANIFEST_ASIDE
 from .hooks import check_whole
@@ -97,12 +98,16 @@ def _write(disk: DiskTier, cache, keys: list, meta: dict, arrays: dict, same: bo
     (a full disk, Ctrl-C) the directory is left as it was: the metadata it replaced put back,
     the records it added removed (as far as the disk lets them go), the error raised."""
     previous, before, added = disk.doc_meta_state(cache.doc), set(disk.keys()), []
+    listed = _listed(cache.doc, previous[1]) if previous is not None else set()
     try:
-        for key in keys:  # one the directory holds is this document's, of the same tokens
-            if key not in before:  # (``_check_replaceable``): written once, not at every save
+        for key in keys:  # one the saved state lists holds the same tokens' KV (an earlier
+            # state of this document: ``_check_replaceable``), and so does one this store put
+            # on disk; any other the directory holds (a killed run's) is written over
+            if key not in listed and not (same and cache.store.where(key) == "disk"):
                 block = cache.store.get(key)
                 disk.put(key, block, codec=cache.store.disk_codec(key, block))
-                added.append(key)
+                if key not in before:
+                    added.append(key)
         disk.set_doc_meta(cache.doc, meta, arrays)
         disk.flush()
     except BaseException:
@@ -111,6 +116,17 @@ def _write(disk: DiskTier, cache, keys: list, meta: dict, arrays: dict, same: bo
             disk.remove_many(added)
             disk.flush()
         raise
+
+
+def _listed(doc: str, arrays: dict) -> set[RecordKey]:
+    """The records a saved state of ``doc`` lists: its groups' record cuts (``g<N>.records``)."""
+    keys = set()
+    for name, cuts in arrays.items():
+        group = name[1:-len(".records")]
+        if name.startswith("g") and name.endswith(".records") and group.isdigit():
+            cuts = cuts.long().tolist()
+            keys.update(RecordKey(doc, int(group), a, b) for a, b in zip(cuts, cuts[1:]))
+    return keys
 
 
 def _check_replaceable(disk: DiskTier, cache, identity: dict) -> None:
@@ -253,8 +269,8 @@ def open_cache(cls, model, path, config: TierConfig | None = None, policy: str |
     except Exception:
         cache.close()
         raise
-    cache.snapshot = set(cache.store.disk.keys())
-    return cache
+    cache.snapshot = {key for index in cache.indexes for key in index.keys}  # not a killed
+    return cache  # run's records past the saved state: close() lets those go
 
 
 def _check_disk_budget(disk: DiskTier, path) -> None:
