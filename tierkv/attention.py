@@ -94,18 +94,11 @@ def attention_with_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q : Tensor, shape (q_heads, t, head_dim); k, v : Tensor, shape (kv_heads, n >= t, head_dim).
     Returns out, shape (q_heads, t, head_dim), and the mass, shape (n,), fp32.
     """
-    heads, t, dim = q.shape
-    kv_heads, n, _ = k.shape
-    group = heads // kv_heads
-    rows = torch.arange(n - t, n, device=q.device).unsqueeze(1)
-    allowed = torch.arange(n, device=q.device).unsqueeze(0) <= rows  # (t, n)
     out = torch.empty_like(q)
-    mass = torch.zeros(n, dtype=torch.float32, device=q.device)
-    for h in range(kv_heads):
-        heads_of = slice(h * group, (h + 1) * group)
-        probs = _probs(q[heads_of], k[h:h + 1], scaling, allowed)  # (1, group, t, n)
+    mass = torch.zeros(k.shape[1], dtype=torch.float32, device=q.device)
+    for h, heads_of, probs in _causal_probs_by_kv_head(q, k, scaling):
         mass += probs.sum(dim=(0, 1, 2))
-        out[heads_of] = _weighted(probs, v[h:h + 1]).reshape(group, t, dim)
+        out[heads_of] = _weighted(probs, v[h:h + 1]).reshape(-1, q.shape[1], q.shape[2])
     return out, mass
 
 
@@ -117,16 +110,25 @@ def recent_query_mass(q: torch.Tensor, k: torch.Tensor, scaling: float, queries:
 
     q : Tensor, shape (q_heads, t, head_dim); k : Tensor, shape (kv_heads, n, head_dim).
     """
+    recent = q[:, q.shape[1] - min(queries, q.shape[1]):]
+    mass = torch.zeros(k.shape[1], dtype=torch.float32, device=q.device)
+    for _, _, probs in _causal_probs_by_kv_head(recent, k, scaling):
+        mass += probs.sum(dim=(0, 1, 2))
+    return mass
+
+
+def _causal_probs_by_kv_head(q: torch.Tensor, k: torch.Tensor, scaling: float):
+    """For each kv head ``h``: ``(h, its query heads' slice, probabilities)``, those of the
+    ``t`` queries ``q`` (q_heads, t, head_dim), the last ``t`` of the ``n`` positions, each
+    seeing the keys up to its own: shape (1, group, t, n), fp32."""
     heads, t, _ = q.shape
     kv_heads, n, _ = k.shape
-    w, group = min(queries, t), heads // kv_heads
-    rows = torch.arange(n - w, n, device=q.device).unsqueeze(1)
-    allowed = torch.arange(n, device=q.device).unsqueeze(0) <= rows  # (w, n)
-    recent = q[:, t - w:]
-    mass = torch.zeros(n, dtype=torch.float32, device=q.device)
+    group = heads // kv_heads
+    rows = torch.arange(n - t, n, device=q.device).unsqueeze(1)
+    allowed = torch.arange(n, device=q.device).unsqueeze(0) <= rows  # (t, n)
     for h in range(kv_heads):
-        mass += _probs(recent[h * group:(h + 1) * group], k[h:h + 1], scaling, allowed).sum(dim=(0, 1, 2))
-    return mass
+        heads_of = slice(h * group, (h + 1) * group)
+        yield h, heads_of, _probs(q[heads_of], k[h:h + 1], scaling, allowed)
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, scaling: float, allowed=None, bias=None) -> torch.Tensor:
