@@ -7,10 +7,16 @@ the chat template and the question) is prefilled into a ``TieredCache`` (device
 budget 10 % of its KV, host 25 %, the rest on disk) and saved. Then a fresh process, with the
 model loaded and the saved segments evicted from the page cache, times side by side:
 
-- ``reopen_s``: ``TieredCache.open`` (``open_s``) + the question + the first answer token;
+- ``reopen_s``: ``TieredCache.open`` (``open_s``; the same device and host budgets) + the
+  question + the first answer token;
+- ``reopen_whole_s``: the same with the question attending every layer's whole KV
+  (``SelectConfig(question_tokens=0)``, what a question did before it attended through the
+  policy's selection), the segments evicted from the page cache again;
 - ``prefill_s``: a new cache, the document's prefill + the question + the first answer token.
 
-Writes ``bench/results/reopen.json``; ``ratio`` = reopen_s / prefill_s (target < 0.1).
+``question_read_bytes`` / ``question_whole_read_bytes``: what the two reopened caches read from
+disk up to the first token. Writes ``bench/results/reopen.json``; ``ratio`` = reopen_s /
+prefill_s (target < 0.1).
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ from pathlib import Path
 import torch
 
 from bench.common import bench_device, drop_page_cache, write_result
-from tierkv import TierConfig, TieredCache, load_model
+from tierkv import SelectConfig, TierConfig, TieredCache, load_model
 from tierkv.hf.model import cache_kwargs
 from tierkv.shapes import KVShape
 from tierkv.textgen import document_text, make_document, passkey_fact, question_text
@@ -78,19 +84,26 @@ def child(tokens: int, work: Path) -> dict:
     model, tok = load_model("smollm2-135m", device=str(bench_device()))
     load_s = time.perf_counter() - t0
     doc, question = prompt_ids(tok, tokens)
-    for segment in (work / "saved").glob("seg-*.tkv"):
-        drop_page_cache(segment)
-    t0 = time.perf_counter()
-    with TieredCache.open(model, work / "saved") as cache:
-        open_s = time.perf_counter() - t0
-        reopened = first_token(model, cache, torch.cat([cache.token_ids, question], dim=1))
-    reopen_s = time.perf_counter() - t0
+    reopened = {}
+    for name, select in (("", None), ("_whole", SelectConfig(question_tokens=0))):
+        for segment in (work / "saved").glob("seg-*.tkv"):
+            drop_page_cache(segment)
+        t0 = time.perf_counter()
+        config = tier_config(model, doc.shape[1], work / "saved")
+        with TieredCache.open(model, work / "saved", config, select=select) as cache:
+            open_s = time.perf_counter() - t0
+            token = first_token(model, cache, torch.cat([cache.token_ids, question], dim=1))
+            reopened.update({f"reopen{name}_s": time.perf_counter() - t0, f"open{name}_s": open_s,
+                             f"question{name}_read_bytes": cache.store.stats()["disk_bytes_read"],
+                             f"first_token{name}": token})
     t0 = time.perf_counter()
     with TieredCache(model, tier_config(model, doc.shape[1], work / "again")) as cache:
         prefilled = first_token(model, cache, torch.cat([doc, question], dim=1))
     prefill_s = time.perf_counter() - t0
-    return {"model_load_s": load_s, "open_s": open_s, "reopen_s": reopen_s, "prefill_s": prefill_s,
-            "ratio": reopen_s / prefill_s, "same_first_token": reopened == prefilled}
+    return {"model_load_s": load_s, **reopened, "prefill_s": prefill_s,
+            "ratio": reopened["reopen_s"] / prefill_s,
+            "same_first_token": reopened["first_token"] == prefilled,
+            "same_first_token_whole": reopened["first_token_whole"] == prefilled}
 
 
 def main() -> None:
@@ -110,8 +123,10 @@ def main() -> None:
         timed = json.loads(run.stdout.strip().splitlines()[-1])
     result = {"quick": args.quick, "tokens": tokens, **saved, **timed}
     path = write_result("reopen", result, args.quick)
-    print(f"{saved['document_tokens']} tokens: reopen + first token {timed['reopen_s']:.2f} s, "
-          f"prefill + first token {timed['prefill_s']:.2f} s, ratio {timed['ratio']:.3f} "
+    print(f"{saved['document_tokens']} tokens: reopen + first token {timed['reopen_s']:.2f} s "
+          f"({timed['question_read_bytes'] / 1e6:.1f} MB read; the question attending all of "
+          f"the KV: {timed['reopen_whole_s']:.2f} s, {timed['question_whole_read_bytes'] / 1e6:.1f}"
+          f" MB), prefill + first token {timed['prefill_s']:.2f} s, ratio {timed['ratio']:.3f} "
           f"(target < 0.1), same first token: {timed['same_first_token']}  -> {path}")
 
 

@@ -143,7 +143,13 @@ def ceiling_rows(d: dict) -> list[tuple]:
 
 def reopen_rows(d: dict) -> list[tuple]:
     return [("reopen / prefill", d.get("ratio"), "time to reopen a saved document and answer / re-prefill it"),
-            ("same first token", d.get("same_first_token"), "reopened answer starts like the re-prefilled one")]
+            ("same first token", d.get("same_first_token"), "reopened answer starts like the re-prefilled one"),
+            ("question's disk reads", _share(d.get("question_read_bytes"), d.get("question_whole_read_bytes")),
+             "bytes a reopened document's question reads / what it read attending all of the KV")]
+
+
+def _share(part, whole):
+    return None if part is None or not whole else part / whole
 
 
 def decode_rows(d: dict) -> list[tuple]:

@@ -15,7 +15,8 @@ import tierkv.hf.prefill as prefill
 from tierkv import SelectConfig, TierConfig, TieredCache
 from tinyllama import PER_TOKEN, ids, tiny
 
-SELECT = SelectConfig(budget=0.25, filter_layers=(2,))  # groups (0,) (1,) (2,) (3..15)
+# groups (0,) (1,) (2,) (3..15); a continuing prompt attends all of its context
+SELECT = SelectConfig(budget=0.25, filter_layers=(2,), question_tokens=0)
 
 
 class Watch:
@@ -26,8 +27,8 @@ class Watch:
         self.cache, self.most, self.passes = cache, 0, []
         sealed, stage = prefill.sealed_layer_kv, prefill._stage
 
-        def watched_sealed(cache, layer, window):
-            out = sealed(cache, layer, window)
+        def watched_sealed(cache, layer, window, wanted=None):
+            out = sealed(cache, layer, window, wanted)
             if cache is self.cache:
                 self.most = max(self.most, self.held())
             return out

@@ -55,6 +55,19 @@ def budget_arg(text: str) -> float | int:
     return value
 
 
+def question_tokens_arg(text: str) -> int:
+    """argparse type of ``SelectConfig.question_tokens``: an integer in [0, MAX_QUESTION_TOKENS]."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    try:
+        SelectConfig(question_tokens=value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("question_tokens=", "", 1)) from None
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type of an integer in [1, 100000]."""
     try:

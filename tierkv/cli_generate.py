@@ -28,7 +28,7 @@ DEFAULT_POLICY = "tierkv"
 
 
 def add_generate_args(parser: argparse.ArgumentParser) -> None:
-    from .cli import budget_arg, positive_int, size_arg
+    from .cli import budget_arg, positive_int, question_tokens_arg, size_arg
     from .policies import REGISTRY
 
     parser.add_argument("--model", default="smollm2-135m", help="smollm2-135m or a local model "
@@ -50,6 +50,10 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fetch-unit", choices=FETCH_UNITS, help="what omnikv/tierkv fill "
                         "the budget with: whole records, or single leaves (finer, reads more; "
                         "default: record; with --load, the saved document's)")
+    parser.add_argument("--question-tokens", type=question_tokens_arg, metavar="N",
+                        help="a question of at most N tokens attends through omnikv/tierkv's "
+                        "selection, not the whole KV; 0: the whole KV (default: "
+                        f"{SelectConfig().question_tokens}; with --load, the saved document's)")
     parser.add_argument("--device-budget", type=size_arg, default="64MB", metavar="SIZE",
                         help="KV bytes on the device (default: %(default)s)")
     parser.add_argument("--host-budget", type=size_arg, default="256MB", metavar="SIZE",
@@ -179,9 +183,10 @@ def answer_room(model, document: int, question: int, wanted: int) -> int:
 
 
 def _select(args, base) -> SelectConfig | None:
-    """``base()`` with the --budget and --fetch-unit given; None when neither is."""
-    given = {k: v for k, v in (("budget", args.budget), ("fetch_unit", args.fetch_unit))
-             if v is not None}
+    """``base()`` with the --budget, --fetch-unit and --question-tokens given; None when none
+    is."""
+    given = {k: v for k, v in (("budget", args.budget), ("fetch_unit", args.fetch_unit),
+                               ("question_tokens", args.question_tokens)) if v is not None}
     return dataclasses.replace(base(), **given) if given else None
 
 

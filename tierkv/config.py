@@ -212,6 +212,9 @@ class ChunkConfig:
 SELECTORS = ("last", "uniform", "exp")
 FETCH_UNITS = ("record", "leaf")
 MAX_BUDGET_TOKENS = 1 << 40  # far past any context, and within torch's int64 arithmetic
+# A question's probabilities are held a kv head at a time (``attention.attention_with_mass``):
+# ``group * question_tokens * context`` fp32, 100 MB for SmolLM2 at 256 tokens over 32K.
+MAX_QUESTION_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -250,6 +253,13 @@ class SelectConfig:
     last filter layer's (a patch outside the package): layer 18 alone read densely, KL 0.060,
     top-1 0.898; layer 3 alone, KL 0.075, 0.879; with the device at 7 % so that layer 18's
     fetch and the choice for 19-29 fit together, seed 0 took 110 against 92 ms a step.
+
+    ``question_tokens``: a prompt of 2 to this many tokens fed to a cache that holds context (a
+    question to a long or saved document) attends through ``omnikv``'s and ``tierkv``'s
+    selection, as a decode step does, its queries choosing together, with
+    ``omnikv.QUESTION_BUDGET_FACTOR`` x the budget (``Policy.question_fetch``): it reads the
+    chosen records, not the whole KV. Longer prompts, a cache's first, and the other policies'
+    questions attend all of their context. 0: every prompt attends all of it.
     """
 
     budget: float | int = 0.1
@@ -260,6 +270,7 @@ class SelectConfig:
     filter_layers: tuple[int, ...] | None = None
     full_after_filter: bool = False
     fetch_unit: str = "record"
+    question_tokens: int = 64
 
     def __post_init__(self):
         b = self.budget
@@ -272,6 +283,7 @@ class SelectConfig:
         _check_range("sinks", self.sinks, 0, 1 << 20)
         _check_range("window", self.window, 1, 1 << 20)
         _check_range("selector_window", self.selector_window, 1, 4096)
+        _check_range("question_tokens", self.question_tokens, 0, MAX_QUESTION_TOKENS)
         if self.selector not in SELECTORS:
             raise ValueError(f"selector={self.selector!r}: must be one of {', '.join(SELECTORS)}")
         if not isinstance(self.full_after_filter, bool):

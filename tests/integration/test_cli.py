@@ -163,6 +163,8 @@ def test_error_in_a_subprocess(case):
     (["generate", "--file", "doc.txt", "--question", "q", "--budget", "0"], "--budget: 0: must be"),
     (["generate", "--file", "doc.txt", "--question", "q", "--budget", "2.5"], "whole number"),
     (["generate", "--file", "doc.txt", "--question", "q", "--fetch-unit", "token"], "invalid choice"),
+    (["generate", "--file", "doc.txt", "--question", "q", "--question-tokens", "300"],
+     "--question-tokens: 300: must be in [0, 256]"),
     (["inspect", "absent-dir"], "no such directory"),
     (["bench", "no-such-bench"], "unknown benchmark"),
 ])
@@ -177,7 +179,7 @@ def test_errors_are_one_line(case, monkeypatch, capsys, args, message):
 
 
 def test_budget_and_fetch_unit_reach_the_cache(case, monkeypatch, capsys, tmp_path):
-    """--budget and --fetch-unit set the SelectConfig a run uses and saves; with --load they
+    """--budget, --fetch-unit and --question-tokens set the SelectConfig a run uses and saves; with --load they
     replace only what they name of the saved one."""
     from tierkv.hf.cache import TieredCache
     from tierkv.hf.persist import saved_select
@@ -194,10 +196,10 @@ def test_budget_and_fetch_unit_reach_the_cache(case, monkeypatch, capsys, tmp_pa
     real_open = TieredCache.open.__func__
     monkeypatch.setattr(TieredCache, "open", classmethod(
         lambda cls, *a, **kw: opened.append(kw["select"]) or real_open(cls, *a, **kw)))
-    status, err = run_main(["generate", "--load", str(tmp_path / "s"), "--budget", "0.15", *args],
-                           capsys)
+    status, err = run_main(["generate", "--load", str(tmp_path / "s"), "--budget", "0.15",
+                            "--question-tokens", "0", *args], capsys)
     assert status == 0, err
-    assert opened == [saved.__class__(budget=0.15, fetch_unit="leaf")]
+    assert opened == [saved.__class__(budget=0.15, fetch_unit="leaf", question_tokens=0)]
 
 
 def test_a_directory_without_manifest(case, monkeypatch, capsys, tmp_path):

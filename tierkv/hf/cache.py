@@ -178,6 +178,8 @@ class TieredCache(GroupFetches, Cache):
         self.prefill_staged = self.prefill_ahead = None  # layers' sealed KV, the next (prefill.py)
         self.prompt_mass: dict[int, torch.Tensor] = {}  # layer -> its recent queries' attention
         self.prompt_query: dict[int, torch.Tensor] = {}  # layer -> the prompt's last query (CPU)
+        self.asking = False  # whether the forward pass is a question (``prefill.asks``)
+        self.question_choice: dict[int, torch.Tensor] = {}  # group -> its leaves for the question
         self.reader = worker_pool(1, "tierkv-helper")  # prefill's reads
         self._folds: dict = {}  # group -> its tree's fold running on ``reader`` (``in_background``)
 

@@ -41,31 +41,49 @@ RANK_LEVELS, RANK_SPAN = 32, 0.5  # their ranks: this many steps of importance, 
 
 
 def prefill_attention(cache, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Causal attention of ``layer``'s new tokens over all of its KV.
+    """Causal attention of ``layer``'s new tokens over its KV: all of it, or for a question
+    (``asks``) what the policy chooses (``Policy.question_fetch``).
 
     q : Tensor, shape (q_heads, t, head_dim), the new tokens' queries (after RoPE).
     Returns Tensor, shape (q_heads, t, head_dim).
     """
     wk, wv = cache._window[layer]
-    k, v, sealed = sealed_layer_kv(cache, layer, (wk, wv))
+    if layer == 0:
+        cache.asking = asks(cache, q.shape[1])
+        cache.question_choice.clear()
+    wanted = cache.policy.question_fetch(cache, layer, q) if cache.asking else None
+    k, v, sealed, positions = sealed_layer_kv(cache, layer, (wk, wv), wanted)
     cache.reserve(f"prefill:{layer}", sealed)
     ranks = cache.store.disk is not None  # the prompt's last queries rank its records
+    mass = None
     try:
-        if ranks and q.shape[1] <= RECENT_QUERIES and not cache.policy.wants_prefill_mass:
-            out, recent = attention_with_mass(q, k, v, scaling)  # a question: one pass for both
-            mass = None
+        if cache.asking:
+            out, recent, peak = attention_with_mass(q, k, v, scaling, peak=True)
+            cache.policy.observe_question(cache, layer, peak, positions)
+        elif ranks and q.shape[1] <= RECENT_QUERIES and not cache.policy.wants_prefill_mass:
+            out, recent = attention_with_mass(q, k, v, scaling)  # a short prompt: one pass for both
         else:
             out, mass = causal_attention(q, k, v, scaling, cache.prefill_block,
                                          column_mass=cache.policy.wants_prefill_mass)
             recent = recent_query_mass(q, k, scaling, RECENT_QUERIES) if ranks else None
         if ranks:
-            cache.prompt_mass[layer] = recent.cpu()
+            recent, n = recent.cpu(), int(positions[-1]) + 1
+            if recent.numel() < n:  # a question's: of the keys it attended, by position
+                recent = torch.zeros(n).index_copy_(0, positions, recent)
+            cache.prompt_mass[layer] = recent
             cache.prompt_query[layer] = q[:, -1].cpu()
     finally:
         cache.store.device.reserve(f"prefill:{layer}", 0)
     if mass is not None:
         cache.policy.observe_prefill(cache, layer, mass)
     return out
+
+
+def asks(cache, new: int) -> bool:
+    """Whether a forward pass of ``new`` tokens is a question: a continuing prompt of at most
+    ``SelectConfig.question_tokens``, through a policy that selects for questions."""
+    return cache.policy.selects_questions and 1 < new <= cache.select.question_tokens and \
+        cache.get_seq_length() > new
 
 
 class _Pass(NamedTuple):
@@ -79,41 +97,52 @@ class _Pass(NamedTuple):
     read: int  # bytes of ``parts`` read from disk (new memory)
 
 
-def sealed_layer_kv(cache, layer: int, window):
-    """All of one layer's K and V, its sealed tokens followed by ``window`` (its recent window's
-    keys and values, on the device): (k, v, bytes of the sealed tokens), k and v of shape
-    (kv_heads, sealed + window, head_dim), on the device (on a CPU, one copy of each sealed token).
+def sealed_layer_kv(cache, layer: int, window, wanted: torch.Tensor | None = None):
+    """One layer's K and V, its sealed tokens (all, or the leaves ``wanted``) followed by
+    ``window`` (its recent window's keys and values, on the device): (k, v, bytes of the
+    sealed tokens, the positions of k's tokens), k and v of shape (kv_heads, tokens, head_dim),
+    on the device (on a CPU, one copy of each sealed token), the positions a CPU LongTensor.
 
     Records hold a whole layer group, and a continuing prompt attends over each layer's whole
-    KV: the group's records are read a few at a time, and each layer copies its own slice to the
-    device (counted there, ``prefill:<layer>``). Records the memory tiers hold are used where
-    they lie. Those read from disk are new host memory, so of them only the slices of one pass
-    of the group's layers are kept: as many layers as the host budget holds. A group whose
-    records on disk fit is read once, a larger one in passes, each reading its records again;
-    beyond the tiers the prefill holds at most the host budget, or one layer's slices where that
-    is more (and the ~8 MB batch being read). It held a whole group and read the next one
-    ahead: 40 % of the KV for ``tierkv``'s last group on SmolLM2, whatever the host budget. The
-    next pass is read in the background when the two fit together (``_read_ahead``).
+    KV (a question over what its policy chose): the group's records are read a few at a time,
+    and each layer copies its own slice to the device (counted there, ``prefill:<layer>``).
+    Records the memory tiers hold are used where they lie. Those read from disk are new host
+    memory, so of them only the slices of one pass of the group's layers are kept: as many
+    layers as the host budget holds. A group whose records on disk fit is read once, a larger
+    one in passes, each reading its records again; beyond the tiers the prefill holds at most
+    the host budget, or one layer's slices where that is more (and the ~8 MB batch being read).
+    It held a whole group and read the next one ahead: 40 % of the KV for ``tierkv``'s last
+    group on SmolLM2, whatever the host budget. The next pass is read in the background when
+    the two fit together (``_read_ahead``).
     """
     g = cache.group_of[layer]
-    spec = cache.indexes[g].fetch(None)
+    spec = cache.indexes[g].fetch(wanted)
+    start = cache.layer_length(layer) - window[0].shape[1]
+    tail = torch.arange(start, start + window[0].shape[1])
     if not spec.keys:
-        return window[0], window[1], 0
+        return window[0], window[1], 0, tail
     held = _staged(cache, g, layer, spec)
     i = held.layers.index(layer)
-    k, v = (_joined([part[j][i] for part in held.parts], window[j], cache.device) for j in (0, 1))
+    k, v = (_joined([part[j][i] for part in held.parts], window[j], cache.device, spec.keep)
+            for j in (0, 1))
     held.left.discard(layer)
     if not held.left:
         cache.prefill_staged = None
-    return k, v, (k.shape[1] - window[0].shape[1]) * cache.shape.token_bytes(1)
+    sealed = k.shape[1] - window[0].shape[1]
+    return k, v, sealed * cache.shape.token_bytes(1), torch.cat([spec.positions, tail])
 
 
-def _joined(parts: list, tail: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``parts`` (on the host or the device) and then ``tail`` (on ``device``), concatenated
-    along the token axis on ``device``."""
-    if all(part.device == tail.device for part in parts):
+def _joined(parts: list, tail: torch.Tensor, device: torch.device,
+            keep: torch.Tensor | None = None) -> torch.Tensor:
+    """``parts`` (on the host or the device; of their tokens concatenated, those ``keep``
+    indexes when given) and then ``tail`` (on ``device``), concatenated along the token axis
+    on ``device``."""
+    if keep is None and all(part.device == tail.device for part in parts):
         return torch.cat(parts + [tail], dim=1)
-    return torch.cat([torch.cat(parts, dim=1).to(device), tail], dim=1)
+    head = torch.cat(parts, dim=1)
+    if keep is not None:
+        head = head.index_select(1, keep.to(head.device))
+    return torch.cat([head.to(device), tail], dim=1)
 
 
 def _staged(cache, g: int, layer: int, spec) -> _Pass:
@@ -191,6 +220,8 @@ def _read_ahead(cache) -> None:
         # before it, a record is the host's exact copy, after it, a lossy codec's disk copy
         nxt, first = held.group + 1, cache.groups[held.group + 1][0]
     else:
+        return
+    if cache.asking and not cache.policy.dense(cache, first):  # chosen by the question's queries
         return
     spec = cache.indexes[nxt].fetch(None)
     if not spec.keys:

@@ -10,7 +10,10 @@ A policy is a small class with named hooks, found by name in ``REGISTRY``. The c
 - ``attend(cache, layer, q, k, v, positions, scaling)``: attention of the new token over what
   was fetched plus the recent window (default: plain attention over all of it);
 - ``observe_prefill(cache, layer, mass)``: the attention mass each key got during prefill,
-  for policies that set ``wants_prefill_mass``.
+  for policies that set ``wants_prefill_mass``;
+- ``question_fetch(cache, layer, q)`` and ``observe_question(cache, layer, peak, positions)``:
+  what a short continuing prompt (``SelectConfig.question_tokens``) attends of a layer, and the
+  attention it paid there (default: all of it, and nothing kept).
 
 Devices: ``q``, ``k``, ``v`` (and attention's outputs) are on the cache's device; ``positions``
 and everything a policy keeps between steps (chunk trees, summaries, scores, accumulators) are on
@@ -130,6 +133,9 @@ class Policy:
     # whether ``attend_parts`` reads a fetch where it lies (a CPU decode step then skips the
     # packed copy, ``tierkv.scattered``); the others' parts are packed for ``attend``
     reads_parts: ClassVar[bool] = False
+    # whether a question (``SelectConfig.question_tokens``) attends through ``question_fetch``
+    # (its layers' peak weights to ``observe_question``); the others attend all of a layer
+    selects_questions: ClassVar[bool] = False
 
     def __init__(self, layers: int, select: SelectConfig, chunks: ChunkConfig, profile: dict):
         self.layers, self.select, self.chunks, self.profile = layers, select, chunks, profile
@@ -183,6 +189,21 @@ class Policy:
         prompt's last, a decode step's: a prefill ranks their records first for the host tier
         (``prefill.prompt_ranks``). None: no such guess (the prompt's attention ranks them)."""
         return None
+
+    def question_fetch(self, cache, layer: int, q: torch.Tensor) -> torch.Tensor | None:
+        """Leaves of ``layer``'s sealed KV that a question attends (a continuing prompt of at
+        most ``SelectConfig.question_tokens``; ``q`` its queries, (q_heads, t, head_dim), on the
+        device), None for all of them. Asked only of policies that set ``selects_questions``
+        (``omnikv``, ``tierkv``; ``quest`` says why it does not), and None wherever ``dense``
+        says a layer is read whole (the prefill reads such layers ahead). A selection is cut to
+        what the device tier holds (``fit_to_device``)."""
+        return None
+
+    def observe_question(self, cache, layer: int, peak: torch.Tensor,
+                         positions: torch.Tensor) -> None:
+        """After a question attended at ``layer``: ``peak`` (n,), on the device, each key's
+        largest weight over the query heads and the question's queries; ``positions`` (n,), on
+        the CPU, the keys' positions. Called before the next layer's ``question_fetch``."""
 
     def state(self) -> dict[str, torch.Tensor]:
         """What the policy built up over the steps so far and reads in the next ones, by name

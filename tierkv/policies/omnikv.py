@@ -56,6 +56,15 @@ LEAF_MOVE_FACTOR = 1.5
 # took 90.3 against 89.1 ms a token (median 88.3 against 88.7): the work moves, it does not
 # shrink. Not kept.
 ADAPT_EVERY = 4
+# A question (``SelectConfig.question_tokens``) attends this many times the token budget: its
+# first answer token is computed over what its queries chose together, and each of its queries
+# would have had a budget of its own as a decode step. Ten seeded two-question cases on SmolLM2
+# (a ~900-token document with a pass key and a city; the city asked after the pass key's
+# answer; device 8 MB / host 16 MB, 10 % budget, ``tierkv``, 2026-11-29): the second question
+# was answered 4 / 6 / 8 times of 10 at 1x / 2x / 4x, its layers attending 22 / 28 / 40 % of the
+# sealed tokens they read whole, and 8 with the whole KV; the first question 10 every time.
+# Scored by the attention mass over the question's queries instead of the largest weight: 2 / 4.
+QUESTION_BUDGET_FACTOR = 4
 
 
 @register
@@ -64,6 +73,7 @@ class OmniKV(Policy):
 
     name = "omnikv"
     reads_parts = True
+    selects_questions = True
 
     def __init__(self, layers, select, chunks, profile):
         super().__init__(layers, select, chunks, profile)
@@ -176,19 +186,52 @@ class OmniKV(Policy):
         target = self._target(cache, layer)
         if target is None:
             return
-        index = cache.indexes[target]
         scores = torch.zeros(cache.layer_length(layer))
         scores[positions] = token_mass.cpu()
         scores = self._smooth(layer, scores)
-        budget = self.budget(cache, target)
-        if self.select.fetch_unit == "leaf":  # the records leaves bring: what the device holds
-            moved = cache.fit_to_device(target, int(LEAF_MOVE_FACTOR * budget))
-            leaves = self._fill(index, scores, min(budget, moved), moved)
-        else:
-            leaves = self._fill(index, scores, cache.fit_to_device(target, budget))
-        cache.set_selection(target, index.fetch(leaves))
+        leaves = self._leaves(cache, target, scores, self.budget(cache, target), count=True)
+        cache.set_selection(target, cache.indexes[target].fetch(leaves))
         if self.adaptive and cache.steps % ADAPT_EVERY == 0:
             self._to_adapt[target] = (scores, leaves)
+
+    def question_fetch(self, cache, layer, q):
+        """A selecting group attends what its filter layer chose for the question
+        (``observe_question``); the other layers what a decode step reads of them."""
+        if self.is_selecting(cache, layer):
+            return cache.question_choice.get(cache.group_of[layer])
+        return self.question_preselect(cache, layer, q)
+
+    def question_preselect(self, cache, layer, q):
+        """What a layer that does not select reads of its own KV for a question: all of it."""
+        return None
+
+    def observe_question(self, cache, layer, peak, positions):
+        """A filter layer chooses the leaves its group attends for the question as for a decode
+        step (``_choose``), each token scoring its largest weight over the heads and the
+        question's queries, within ``question_budget`` (the question's own tokens are attended
+        beside it). The selector's running scores and the tree's folds follow decode steps and
+        are left as they are."""
+        target = self._target(cache, layer) if layer in self.filters else None
+        if target is None:
+            return
+        scores = torch.zeros(cache.layer_length(layer))
+        scores[positions] = peak.cpu()
+        cache.question_choice[target] = self._leaves(cache, target, scores,
+                                                     self.question_budget(cache), count=False)
+
+    def question_budget(self, cache) -> int:
+        """Tokens a question attends of a selecting layer's sealed context:
+        ``QUESTION_BUDGET_FACTOR`` x a decode step's budget less the nominal window."""
+        return QUESTION_BUDGET_FACTOR * self.budget(cache)
+
+    def _leaves(self, cache, target, scores, budget, count):
+        """The leaves of group ``target`` that ``scores`` (per token) fill ``budget`` tokens
+        with, within what the device tier holds (``count``: a decode step's fetch)."""
+        index = cache.indexes[target]
+        if self.select.fetch_unit == "leaf":  # the records leaves bring: what the device holds
+            moved = cache.fit_to_device(target, int(LEAF_MOVE_FACTOR * budget), count=count)
+            return self._fill(index, scores, min(budget, moved), moved)
+        return self._fill(index, scores, cache.fit_to_device(target, budget, count=count))
 
     def _target(self, cache, layer) -> int | None:
         """The group that reuses filter ``layer``'s choice: the next group, or the one after

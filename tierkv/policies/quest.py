@@ -18,6 +18,14 @@ class Quest(Policy):
     8-token pages, none adding ``criticality``; keys found: 6, 9, then 10 of 10. Ranking by
     estimated shares instead of Quest's bound kept 10 of 10 and raised teacher-forced top-1
     agreement (a 2K and a 4K context, 96 steps) from 60, 78, 87 to 71, 80, 87 at 5, 10, 25 %.
+
+    A question (``SelectConfig.question_tokens``) attends all of the context: its first answer
+    token is computed there, and pages chosen by estimated shares miss what it needs. The same
+    ten pass keys asked after their ~1K-token documents (device 10 % / host 20 % of the KV, 10 %
+    budget, 2026-11-29): pages ranked by the largest share over every (head, query) of the
+    question, a decode step's budget of them, found 5 keys (``leoam`` 5), against 9 (9) with the question attending all of it;
+    on two of the missed cases, by the last query's shares alone or the last four's, 0 of 2.
+    ``omnikv`` and ``tierkv`` choose by a filter layer's exact attention and find 10 of 10.
     """
 
     name = "quest"

@@ -167,19 +167,29 @@ class TierKV(OmniKV):
         self._fetched[layer] = chosen
         return chosen
 
+    def question_preselect(self, cache, layer, q):
+        """A preselecting layer's candidates for a question: ranked by the bounds of all of its
+        queries' heads (a kv head's bound is the largest over them), by the rule of a decode
+        step's with the question's budget (``question_budget``). The last step's queries and
+        candidates stay those of the last step."""
+        if not self.preselects(cache, layer):
+            return None
+        return self._candidates(cache, layer, q.reshape(-1, q.shape[-1]).cpu(), fetching=False,
+                                budget=self.question_budget(cache))
+
     def prompt_candidates(self, cache, layer, query):
         """A preselecting layer's candidates for ``query``, a prompt's last (None for the
         others): the first decode step's are mostly the same leaves."""
         return self._candidates(cache, layer, query, fetching=False) \
             if self.preselects(cache, layer) else None
 
-    def _candidates(self, cache, layer, query, fetching: bool = True):
+    def _candidates(self, cache, layer, query, fetching: bool = True, budget: int | None = None):
         """The leaves ``query`` (q_heads, head_dim) ranks first by their LKA bounds, those the
         layer fetched last ``PRESELECT_STICKINESS`` x the leaves higher, as many as the rule of
-        this module's docstring allows (``fetching``: for a fetch, which a cut to fit the device
-        tier counts, not a prefill's guess)."""
+        this module's docstring allows for ``budget`` (default: a decode step's token budget;
+        ``fetching``: for a decode step's fetch, which a cut to fit the device tier counts)."""
         index, group = cache.index_of(layer), cache.group_of[layer]
-        budget = self.budget(cache)
+        budget = self.budget(cache) if budget is None else budget
         if layer < self.filters[0]:  # it attends its own candidates only: the budget's worth
             candidates = budget
         else:
