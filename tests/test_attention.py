@@ -284,6 +284,14 @@ def test_attention_with_mass_is_both_in_one_pass(heads, kv_heads, t, n, dtype):
     assert mass.dtype == torch.float32
     assert torch.allclose(mass, recent_query_mass(q, k, 0.25, t), atol=1e-5)
     assert torch.allclose(mass, recent_query_mass(q, k, 0.25, 64), atol=1e-5)
+    # a question's: the mass of its last queries, and each key's largest weight over them all
+    again, last, peak = attention_with_mass(q, k, v, 0.25, peak=True, queries=5)
+    assert torch.equal(again, out)
+    assert torch.allclose(last, recent_query_mass(q, k, 0.25, 5), atol=1e-5)
+    scores = q.double() @ k.double().repeat_interleave(heads // kv_heads, 0).transpose(1, 2) * 0.25
+    causal = torch.arange(n).unsqueeze(0) <= torch.arange(n - t, n).unsqueeze(1)
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    assert torch.allclose(peak.double(), probs.amax(dim=(0, 1)), atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
 def test_degenerate_shapes_refused_by_name():

@@ -53,13 +53,18 @@ def ask(model, path, policy, select, question=QUESTION, device="64MB"):
         return logits, cache.store.stats()["disk_bytes_read"]
 
 
+@pytest.mark.parametrize("device", ["64MB", 4 * FIRST * PER_TOKEN])
 @pytest.mark.parametrize("policy", SELECTING)
-def test_a_question_whose_budget_holds_its_context_attends_as_a_whole_prompt(tmp_path, policy):
+def test_a_question_whose_budget_holds_its_context_attends_as_a_whole_prompt(tmp_path, policy,
+                                                                             device):
+    """Also where the device tier holds a layer's whole context but not a whole group's (a
+    question holds one layer's slice at a time: no cut to a decode step's fetch room)."""
     model = tiny(16)
     wide = SelectConfig(budget=4096, filter_layers=(2,))
     path = saved(model, tmp_path, policy, wide)
-    sparse, _ = ask(model, path, policy, wide)
-    whole, _ = ask(model, path, policy, SelectConfig(budget=4096, filter_layers=(2,), question_tokens=0))
+    sparse, _ = ask(model, path, policy, wide, device=device)
+    whole, _ = ask(model, path, policy, SelectConfig(budget=4096, filter_layers=(2,), question_tokens=0),
+                   device=device)
     torch.testing.assert_close(sparse, whole, rtol=1e-5, atol=1e-5)
 
 

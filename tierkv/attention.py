@@ -83,7 +83,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
 
 
 def attention_with_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
-                        peak: bool = False):
+                        peak: bool = False, queries: int | None = None):
     """``causal_attention`` of a few new queries (a question to a saved document) and, from the
     same probabilities, ``recent_query_mass`` of all of them: one pass over the keys where the
     two took two. One kv head at a time: ``group * t * n`` fp32 scores at once, so for short
@@ -92,15 +92,17 @@ def attention_with_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scali
     2e-7, masses equal).
 
     q : Tensor, shape (q_heads, t, head_dim); k, v : Tensor, shape (kv_heads, n >= t, head_dim).
-    Returns out, shape (q_heads, t, head_dim), and the mass, shape (n,), fp32; with ``peak``
-    also each key's largest weight over the query heads and the queries, shape (n,), fp32 (what
-    a filter layer chooses by, ``omnikv``).
+    Returns out, shape (q_heads, t, head_dim), and the mass (of the last ``queries`` queries
+    when given, else of all), shape (n,), fp32; with ``peak`` also each key's largest weight
+    over the query heads and all the queries, shape (n,), fp32 (what a filter layer chooses
+    by, ``omnikv``).
     """
     out = torch.empty_like(q)
     mass = torch.zeros(k.shape[1], dtype=torch.float32, device=q.device)
     top = torch.zeros_like(mass) if peak else None
+    last = q.shape[1] - min(q.shape[1], queries or q.shape[1])
     for h, heads_of, probs in _causal_probs_by_kv_head(q, k, scaling):
-        mass += probs.sum(dim=(0, 1, 2))
+        mass += probs[:, :, last:].sum(dim=(0, 1, 2))
         if peak:
             torch.maximum(top, probs.amax(dim=(0, 1, 2)), out=top)
         out[heads_of] = _weighted(probs, v[h:h + 1]).reshape(-1, q.shape[1], q.shape[2])

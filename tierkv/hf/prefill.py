@@ -58,7 +58,8 @@ def prefill_attention(cache, layer: int, q: torch.Tensor, scaling: float) -> tor
     mass = None
     try:
         if cache.asking:
-            out, recent, peak = attention_with_mass(q, k, v, scaling, peak=True)
+            out, recent, peak = attention_with_mass(q, k, v, scaling, peak=True,
+                                                    queries=RECENT_QUERIES)
             cache.policy.observe_question(cache, layer, peak, positions)
         elif ranks and q.shape[1] <= RECENT_QUERIES and not cache.policy.wants_prefill_mass:
             out, recent = attention_with_mass(q, k, v, scaling)  # a short prompt: one pass for both

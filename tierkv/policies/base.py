@@ -195,8 +195,9 @@ class Policy:
         most ``SelectConfig.question_tokens``; ``q`` its queries, (q_heads, t, head_dim), on the
         device), None for all of them. Asked only of policies that set ``selects_questions``
         (``omnikv``, ``tierkv``; ``quest`` says why it does not), and None wherever ``dense``
-        says a layer is read whole (the prefill reads such layers ahead). A selection is cut to
-        what the device tier holds (``fit_to_device``)."""
+        says a layer is read whole (the prefill reads such layers ahead). A selection is not cut
+        to the device tier as a decode step's fetch is: a question holds one layer's slice at a
+        time, and ``check_prompt_room`` saw each layer's whole context fit."""
         return None
 
     def observe_question(self, cache, layer: int, peak: torch.Tensor,

@@ -61,9 +61,11 @@ ADAPT_EVERY = 4
 # would have had a budget of its own as a decode step. Ten seeded two-question cases on SmolLM2
 # (a ~900-token document with a pass key and a city; the city asked after the pass key's
 # answer; device 8 MB / host 16 MB, 10 % budget, ``tierkv``, 2026-11-29): the second question
-# was answered 4 / 6 / 8 times of 10 at 1x / 2x / 4x, its layers attending 22 / 28 / 40 % of the
+# was answered 4 / 6 / 8 times of 10 at 1x / 2x / 4x, its layers attending 22 / 28 / 41 % of the
 # sealed tokens they read whole, and 8 with the whole KV; the first question 10 every time.
-# Scored by the attention mass over the question's queries instead of the largest weight: 2 / 4.
+# Scored by the attention mass over the question's queries instead of the largest weight: 2 / 4
+# at 1x / 2x. Ten pass keys asked after ~2K-token documents (past what the model retrieves
+# well): 6 at 1x, 4 at 4x, 3 with the whole KV; after ~1K-token ones, 10 at 1x and 4x, 9 whole.
 QUESTION_BUDGET_FACTOR = 4
 
 
@@ -189,8 +191,14 @@ class OmniKV(Policy):
         scores = torch.zeros(cache.layer_length(layer))
         scores[positions] = token_mass.cpu()
         scores = self._smooth(layer, scores)
-        leaves = self._leaves(cache, target, scores, self.budget(cache, target), count=True)
-        cache.set_selection(target, cache.indexes[target].fetch(leaves))
+        index = cache.indexes[target]
+        budget = self.budget(cache, target)
+        if self.select.fetch_unit == "leaf":  # the records leaves bring: what the device holds
+            moved = cache.fit_to_device(target, int(LEAF_MOVE_FACTOR * budget))
+            leaves = self._fill(index, scores, min(budget, moved), moved)
+        else:
+            leaves = self._fill(index, scores, cache.fit_to_device(target, budget))
+        cache.set_selection(target, index.fetch(leaves))
         if self.adaptive and cache.steps % ADAPT_EVERY == 0:
             self._to_adapt[target] = (scores, leaves)
 
@@ -209,29 +217,24 @@ class OmniKV(Policy):
         """A filter layer chooses the leaves its group attends for the question as for a decode
         step (``_choose``), each token scoring its largest weight over the heads and the
         question's queries, within ``question_budget`` (the question's own tokens are attended
-        beside it). The selector's running scores and the tree's folds follow decode steps and
-        are left as they are."""
+        beside it). Not cut to what the device tier holds of the whole group, as a decode
+        step's fetch is: a question holds one layer's slice of it at a time, and
+        ``check_prompt_room`` saw each layer's whole context fit. The selector's running scores
+        and the tree's folds follow decode steps and are left as they are."""
         target = self._target(cache, layer) if layer in self.filters else None
         if target is None:
             return
         scores = torch.zeros(cache.layer_length(layer))
         scores[positions] = peak.cpu()
-        cache.question_choice[target] = self._leaves(cache, target, scores,
-                                                     self.question_budget(cache), count=False)
+        budget = self.question_budget(cache)
+        moved = int(LEAF_MOVE_FACTOR * budget) if self.select.fetch_unit == "leaf" else None
+        cache.question_choice[target] = self._fill(cache.indexes[target], scores, budget, moved)
 
     def question_budget(self, cache) -> int:
         """Tokens a question attends of a selecting layer's sealed context:
         ``QUESTION_BUDGET_FACTOR`` x a decode step's budget less the nominal window."""
         return QUESTION_BUDGET_FACTOR * self.budget(cache)
 
-    def _leaves(self, cache, target, scores, budget, count):
-        """The leaves of group ``target`` that ``scores`` (per token) fill ``budget`` tokens
-        with, within what the device tier holds (``count``: a decode step's fetch)."""
-        index = cache.indexes[target]
-        if self.select.fetch_unit == "leaf":  # the records leaves bring: what the device holds
-            moved = cache.fit_to_device(target, int(LEAF_MOVE_FACTOR * budget), count=count)
-            return self._fill(index, scores, min(budget, moved), moved)
-        return self._fill(index, scores, cache.fit_to_device(target, budget, count=count))
 
     def _target(self, cache, layer) -> int | None:
         """The group that reuses filter ``layer``'s choice: the next group, or the one after

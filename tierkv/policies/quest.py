@@ -23,9 +23,10 @@ class Quest(Policy):
     token is computed there, and pages chosen by estimated shares miss what it needs. The same
     ten pass keys asked after their ~1K-token documents (device 10 % / host 20 % of the KV, 10 %
     budget, 2026-11-29): pages ranked by the largest share over every (head, query) of the
-    question, a decode step's budget of them, found 5 keys (``leoam`` 5), against 9 (9) with the question attending all of it;
-    on two of the missed cases, by the last query's shares alone or the last four's, 0 of 2.
-    ``omnikv`` and ``tierkv`` choose by a filter layer's exact attention and find 10 of 10.
+    question found 5 keys with a decode step's budget of them and 7 with 4x (``leoam``: 5, 7),
+    against 9 (9) with the question attending all of it; on two of the missed cases, ranked by
+    the last query's shares alone or the last four's, 0 of 2. ``omnikv`` and ``tierkv`` choose
+    by a filter layer's exact attention and find 10 of 10.
     """
 
     name = "quest"

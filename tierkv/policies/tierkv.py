@@ -174,7 +174,7 @@ class TierKV(OmniKV):
         candidates stay those of the last step."""
         if not self.preselects(cache, layer):
             return None
-        return self._candidates(cache, layer, q.reshape(-1, q.shape[-1]).cpu(), fetching=False,
+        return self._candidates(cache, layer, q.reshape(-1, q.shape[-1]).cpu(),
                                 budget=self.question_budget(cache))
 
     def prompt_candidates(self, cache, layer, query):
@@ -186,19 +186,23 @@ class TierKV(OmniKV):
     def _candidates(self, cache, layer, query, fetching: bool = True, budget: int | None = None):
         """The leaves ``query`` (q_heads, head_dim) ranks first by their LKA bounds, those the
         layer fetched last ``PRESELECT_STICKINESS`` x the leaves higher, as many as the rule of
-        this module's docstring allows for ``budget`` (default: a decode step's token budget;
-        ``fetching``: for a decode step's fetch, which a cut to fit the device tier counts)."""
+        this module's docstring allows (``fetching``: for a decode step's fetch, which a cut to
+        fit the device tier counts). With ``budget`` (a question's), that token budget instead of
+        a decode step's, and no cut to the device tier's room (a question holds one layer's
+        slice at a time, and ``check_prompt_room`` saw each layer's whole context fit)."""
         index, group = cache.index_of(layer), cache.group_of[layer]
+        question = budget is not None
         budget = self.budget(cache) if budget is None else budget
         if layer < self.filters[0]:  # it attends its own candidates only: the budget's worth
             candidates = budget
         else:
             wanted = max(PRESELECT_FACTOR * budget, int(PRESELECT_FLOOR * index.sealed))
-            room = cache.fetch_room(group)
+            room = None if question else cache.fetch_room(group)
             if room is not None:
                 wanted = min(wanted, room)
             candidates = max(PRESELECT_MIN_FACTOR * budget, wanted)
-        candidates = cache.fit_to_device(group, candidates, count=fetching)
+        if not question:
+            candidates = cache.fit_to_device(group, candidates, count=fetching)
         scores = index.bound_scores(query)
         last = self._fetched.get(layer)
         if last is not None:  # leaves only ever append here: the indices still name them
