@@ -188,10 +188,10 @@ class OmniKV(Policy):
         target = self._target(cache, layer)
         if target is None:
             return
+        index = cache.indexes[target]
         scores = torch.zeros(cache.layer_length(layer))
         scores[positions] = token_mass.cpu()
         scores = self._smooth(layer, scores)
-        index = cache.indexes[target]
         budget = self.budget(cache, target)
         if self.select.fetch_unit == "leaf":  # the records leaves bring: what the device holds
             moved = cache.fit_to_device(target, int(LEAF_MOVE_FACTOR * budget))
