@@ -189,9 +189,7 @@ class OmniKV(Policy):
         if target is None:
             return
         index = cache.indexes[target]
-        scores = torch.zeros(cache.layer_length(layer))
-        scores[positions] = token_mass.cpu()
-        scores = self._smooth(layer, scores)
+        scores = self._smooth(layer, _by_position(cache, layer, token_mass, positions))
         budget = self.budget(cache, target)
         if self.select.fetch_unit == "leaf":  # the records leaves bring: what the device holds
             moved = cache.fit_to_device(target, int(LEAF_MOVE_FACTOR * budget))
@@ -224,8 +222,7 @@ class OmniKV(Policy):
         target = self._target(cache, layer) if layer in self.filters else None
         if target is None:
             return
-        scores = torch.zeros(cache.layer_length(layer))
-        scores[positions] = peak.cpu()
+        scores = _by_position(cache, layer, peak, positions)
         budget = self.question_budget(cache)
         moved = int(LEAF_MOVE_FACTOR * budget) if self.select.fetch_unit == "leaf" else None
         cache.question_choice[target] = self._fill(cache.indexes[target], scores, budget, moved)
@@ -316,6 +313,14 @@ class OmniKV(Policy):
             scores = (1 - rate) * grown + rate * scores
         self._smoothed[layer] = scores
         return scores
+
+
+def _by_position(cache, layer: int, weights: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``weights`` of the keys ``layer`` attended (at ``positions``) as a CPU vector over all of
+    its tokens, 0 where it attended none."""
+    scores = torch.zeros(cache.layer_length(layer))
+    scores[positions] = weights.cpu()
+    return scores
 
 
 def _fill_native(tree, scores: torch.Tensor, cuts: torch.Tensor, sinks: int,
