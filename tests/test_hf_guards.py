@@ -64,8 +64,9 @@ def test_forward_passes_it_would_attend_wrongly_refused_and_the_cache_goes_on():
 
 
 def test_an_interruption_before_any_layer_leaves_the_cache_whole():
-    """Ctrl-C (or any error) after the forward pass began but before a layer took its keys:
-    nothing changed, so the cache goes on; once a layer did, it refuses to."""
+    """A KeyboardInterrupt (or any error) after the forward pass began but before a layer took
+    its keys: nothing changed, so the cache goes on; after some layers did, the pass is undone
+    (``tests/test_recover.py``) and it goes on too."""
     model = tiny()
 
     def interrupt(module, args):
@@ -83,8 +84,8 @@ def test_an_interruption_before_any_layer_leaves_the_cache_whole():
         with pytest.raises(KeyboardInterrupt):
             model(ids(1), **cache_kwargs(model, cache), use_cache=True)
         hook.remove()
-        with pytest.raises(RuntimeError, match="failed part-way"):
-            model(ids(1), **cache_kwargs(model, cache), use_cache=True)
+        model(ids(1), **cache_kwargs(model, cache), use_cache=True)
+        assert cache.token_ids.shape[1] == cache.get_seq_length() == 14
 
 
 def test_a_closed_cache_takes_no_more_keys():

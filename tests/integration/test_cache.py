@@ -316,10 +316,11 @@ def test_what_the_tiers_would_attend_wrongly_is_refused(model_and_tok):
 
 def test_a_forward_that_fails_part_way_leaves_a_cache_that_says_so(model_and_tok, tmp_path,
                                                                  monkeypatch):
-    """Ctrl-C in the middle of a step (or a full disk while sealing) leaves some layers with the
-    step and others without: the cache refuses to go on or to be saved, naming what broke it,
-    rather than attend wrongly; closing it still hands everything back, and the saved document
-    it was reopened from is as it was saved."""
+    """A KeyboardInterrupt raised inside the cache's own code (an application's SIGINT handler,
+    not a held Ctrl-C: ``tests/test_recover.py``) may have stopped it anywhere, and leaves some
+    layers with the step and others without: the cache refuses to go on or to be saved, naming
+    what broke it, rather than attend wrongly; closing it still hands everything back, and the
+    saved document it was reopened from is as it was saved."""
     model, tok = model_and_tok
     ids, _ = saved_document(model, tok, tmp_path)
     more = tok(" And again.", return_tensors="pt", add_special_tokens=False)["input_ids"]

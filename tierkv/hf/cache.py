@@ -11,6 +11,7 @@ the layer's recent window; the attention function does the work:
 
 After a layer attends, its window beyond the last ``window`` tokens is cut into chunks; when the
 last layer of a group has done so, the group's chunks are sealed into the store as one record each.
+A forward pass that fails part-way is undone where none of its tokens was sealed (``recover.py``).
 """
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ from .admit import check_args, claim_doc, device_need, on_model_device, sliding_
 from .fetching import GroupFetches
 from .groups import Fetch, GroupIndex
 from .hooks import install, uninstall
-from .prefill import prefill_attention, prompt_ranks
+from .prefill import prefill_attention
 from .profile import check_profile, load_profile
+from .recover import HeldInterrupt, changing, failed, stop
+from .seal import seal
 from .window import RecentWindows
 
 # Records of groups read whole every step rank above any step number: the host keeps them; the
@@ -137,7 +140,7 @@ class TieredCache(GroupFetches, Cache):
             self.doc = claim_doc(self.store.disk, doc, _resume)
             self._new_doc = not _resume  # claimed unheld and absent: every record of it is ours
             self._build(config, controller)
-            self._install(model)
+            install(self, model)
         except BaseException:
             self._let_go()
             raise
@@ -167,8 +170,10 @@ class TieredCache(GroupFetches, Cache):
         self._chosen: list[int] = []  # groups whose selection waits for the chooser's release
         self._held_positions = None  # (fetched positions, (sealed, window), attended positions)
         self._in_forward = False  # a forward pass has begun and its last layer not yet attended
-        self._failed: str | None = None  # what broke a forward pass part-way, if anything did
-        self._start = (0, 0)  # the ids and tokens held when the last forward pass began
+        self._failed: str | None = None  # why a pass that failed part-way cannot be undone
+        self._cause: str | None = None  # what stopped the pass under way (``recover``)
+        self._held = HeldInterrupt(self)  # Ctrl-C during a pass
+        self._start = (0, 0, 0)  # the ids, tokens and steps when the last forward pass began
         self._thread: int | None = None  # the thread that began it
         self.steps = 0  # decode steps so far: the importance of what a step reads or seals
         self.trimmed_fetches = self.trimmed_tokens = 0  # fetches ``fit_to_device`` cut down
@@ -186,12 +191,14 @@ class TieredCache(GroupFetches, Cache):
     def _let_go(self) -> None:
         """Undo a construction that failed part-way: the model's attention, the threads, the
         tiers, the document held."""
-        self._uninstall()
+        uninstall(self)
         if hasattr(self, "reader"):
             self.reader.shutdown(wait=True, cancel_futures=True)
         if hasattr(self, "pipeline"):
             self.pipeline.close()
         self.store.close()
+
+    changing = changing  # ``with cache.changing():`` a change a failure would leave half done
 
     # -- transformers' side ------------------------------------------------------------
     def append(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -219,13 +226,18 @@ class TieredCache(GroupFetches, Cache):
         return False
 
     def _attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        prompt = query.shape[2] > 1  # Ctrl-C stops a prompt between layers, a decode step after
+        if prompt and self._held.pending:
+            stop(self)
         try:
             out = self._attend(module, query, scaling)
         except BaseException as exc:
-            self._failed = f"{type(exc).__name__}: {exc}"
+            failed(self, exc)
             raise
         if module.layer_idx == self.shape.layers - 1:
             self._in_forward = False
+        elif prompt and self._held.pending:
+            stop(self)
         return out, None
 
     def _attend(self, module, query, scaling):
@@ -238,7 +250,8 @@ class TieredCache(GroupFetches, Cache):
         scaling = module.scaling if scaling is None else scaling
         if q.shape[1] > 1 or self.layer_length(layer) == q.shape[1]:
             if layer == 0 and self.policy.adaptive:
-                self.compact()
+                with self.changing():
+                    self.compact()
             out = prefill_attention(self, layer, q, scaling)
         else:
             out = self._decode(layer, q, scaling)
@@ -391,47 +404,29 @@ class TieredCache(GroupFetches, Cache):
         g = self.group_of[layer]
         step = self.record_tokens[g]
         movable = (self._window[layer][0].shape[1] - self.select.window) // step * step
-        if movable > 0:
-            self._pending[layer].append(self._window.cut(layer, movable))
         last = layer == self.groups[g][-1]
-        if last and g in self._folds:
-            self._folds.pop(g).result()
+        if movable > 0 or (last and g in self._folds):
+            with self.changing():
+                if movable > 0:
+                    self._pending[layer].append(self._window.cut(layer, movable))
+                if last and g in self._folds:
+                    self._folds.pop(g).result()
         if last and self._step.pop(("fetch", g), None) is not None:
             self._step.pop(("table", g), None)  # a Scattered fetch's records: let go too
             self.store.device.reserve(f"fetch:{g}", 0)
         for chosen in self._chosen:
             self.prefetch(chosen, self._step[("select", chosen)])
         self._chosen.clear()
-        if last:
+        if last and self._pending[self.groups[g][0]]:
             self._seal(g)
-            if decoding:
-                self._look_ahead((g + 1) % len(self.groups))
+        if last and decoding:
+            self._look_ahead((g + 1) % len(self.groups))
 
     def _seal(self, g: int) -> None:
-        layers = self.groups[g]
-        if not self._pending[layers[0]]:
-            return
-        keys = torch.stack([torch.cat([b.keys for b in self._pending[i]], dim=1) for i in layers])
-        values = torch.stack([torch.cat([b.values for b in self._pending[i]], dim=1) for i in layers])
-        for i in layers:
-            self._pending[i] = []
-        index = self.indexes[g]
-        start, step = index.sealed, self.record_tokens[g]
-        bounds = [(s, s + step) for s in range(start, start + keys.shape[2], step)]
-        records = index.add(bounds, keys[0], self.leaf_tokens[g])
         hot = self._importance(g)
-        ranks = prompt_ranks(self, g, start, len(bounds), hot, ranked=hot != PINNED)
-        for key, (s, e), rank in zip(records, bounds, ranks):
-            block = KVBlock(keys[:, :, s - start:e - start], values[:, :, s - start:e - start])
-            self.store.put(key, block, importance=rank)
+        seal(self, g, hot, ranked=hot != PINNED)
 
     # -- lifetime -----------------------------------------------------------------------
-    def _install(self, model) -> None:
-        install(self, model)
-
-    def _uninstall(self) -> None:
-        uninstall(self)
-
     def save(self, path) -> Path:
         """Store this document (records, indexes, windows, token ids) under directory ``path``,
         to be reopened by ``TieredCache.open`` in this or another process."""
@@ -457,7 +452,8 @@ class TieredCache(GroupFetches, Cache):
         """Give the model back its own attention and release the tiers (idempotent)."""
         if self._model is None:
             return
-        self._uninstall()
+        self._held.release()
+        uninstall(self)
         self.reader.shutdown(wait=True, cancel_futures=True)
         self.prefill_staged = self.prefill_ahead = None
         self._kept.clear()

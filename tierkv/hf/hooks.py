@@ -1,17 +1,19 @@
 """How a TieredCache attaches to a model and lets go of it: its attention function through
 transformers' ``AttentionInterface`` (no model class is patched), two forward pre-hooks (the
-token ids, the checks before a forward pass), a forward hook (the threads of a decode step, put
-back) and ``GenerateGuard``; a weak reference on the model names its live cache."""
+token ids, the checks before a forward pass and Ctrl-C held from then on), a forward hook (the
+threads of a decode step put back, a pass that failed part-way undone: ``recover.py``) and
+``GenerateGuard``; a weak reference on the model names its live cache."""
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 
 import torch
 from transformers import AttentionInterface
 
-from ..workers import restore_threads
 from .admit import GenerateGuard, check_forward
+from .recover import restore, roll_back
 
 
 def install(cache, model) -> None:
@@ -82,11 +84,12 @@ def begin_forward(cache, args, kwargs) -> None:
                                 or threads < 1):
         raise ValueError(f"TieredCache.decode_threads={threads!r}: expected a positive int, or "
                          "None to leave torch's threads as they are")
-    cache._in_forward = True
-    cache._start = cache.token_ids.shape[1], cache.get_seq_length()
+    cache._start = cache.token_ids.shape[1], cache.get_seq_length(), cache.steps
     cache._thread = threading.get_ident()
     cache._before = (torch.get_num_threads() if threads is not None else None,
                      torch.is_grad_enabled())
+    cache._in_forward = True
+    cache._held.hold()  # Ctrl-C from now on: ``recover``
     if threads is not None:
         torch.set_num_threads(threads)
     torch.set_grad_enabled(False)
@@ -94,46 +97,35 @@ def begin_forward(cache, args, kwargs) -> None:
 
 def check_whole(cache, doing: str = "go on") -> None:
     """RuntimeError when a forward pass through ``cache`` failed part-way (an error, a full
-    disk, Ctrl-C): some layers then hold the step and others not, and nothing it computes is
-    right."""
+    disk, Ctrl-C) and could not be undone (``recover.roll_back``): some layers then hold the
+    pass's tokens and others not, and nothing it computes is right."""
     if cache._failed is None and cache._in_forward and cache._thread == threading.get_ident():
-        untouched(cache)  # e.g. Ctrl-C, which skips ``end_forward``, before any layer ran
+        restore(cache)  # stopped by an interrupt that skipped ``end_forward`` (not a held Ctrl-C)
+        cache._held.release()
+        roll_back(cache)
     if cache._failed is None and not cache._in_forward:
         return
     if cache._failed is None and cache._thread != threading.get_ident():
         raise RuntimeError(f"this TieredCache cannot {doing}: a forward pass in another thread "
                            "is using it (a cache serves one forward pass at a time)")
-    cause = cache._failed or "interrupted outside the attention (e.g. KeyboardInterrupt)"
     raise RuntimeError(f"this TieredCache cannot {doing}: a forward pass failed part-way "
-                       f"({cause}), so its layers hold different lengths; close() it (a saved "
-                       "document reopens as it was saved) and start again")
+                       f"({cache._failed}), so its layers hold different lengths; close() it (a "
+                       "saved document reopens as it was saved) and start again")
 
 
 def end_forward(cache) -> None:
-    """Put back the compute threads a decode step changed (``TieredCache.decode_threads``), the
-    count new threads start with (``workers.restore_threads``) and autograd's mode, whether the
-    forward pass ended or raised."""
-    before, cache._before = cache._before, None
-    restore_threads()  # the cache's threads may have started since: their count is theirs
-    if cache._in_forward and cache._failed is None:
-        untouched(cache)
-    if before is None:
-        return
-    threads, grad = before
-    if threads is not None:
-        torch.set_num_threads(threads)
-    torch.set_grad_enabled(grad)
-
-
-def untouched(cache) -> None:
-    """After a forward pass that stopped before its last layer attended: when no layer took
-    its keys (refused or interrupted before the first layer, e.g. by a check of transformers'),
-    the cache is whole: the ids recorded for the pass are dropped and it may go on."""
-    ids, held = cache._start
-    if all(cache.layer_length(layer) == held and not cache._fresh[layer]
-           for layer in range(cache.shape.layers)):
-        cache.token_ids = cache.token_ids[:, :ids]
-        cache._in_forward = False
+    """After a forward pass, whether it ended or raised an ``Exception``: the compute threads a
+    decode step changed and autograd's mode put back (``recover.restore``), a pass that failed
+    part-way rolled back, and a Ctrl-C held during a pass that ended raised now."""
+    restore(cache)
+    if cache._in_forward:  # failed: raising here would only be warned of
+        raised = sys.exc_info()[1]  # (torch calls this hook as it handles the pass's exception)
+        if cache._cause is None and raised is not None:
+            cache._cause = f"{type(raised).__name__}: {raised}"
+        roll_back(cache)
+        cache._held.release()
+    elif cache._held.release() and cache._failed is None:
+        raise KeyboardInterrupt
 
 
 def record_ids(cache, args) -> None:

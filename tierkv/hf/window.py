@@ -80,6 +80,19 @@ class RecentWindows:
         self._windows[layer] = (room[0][:, :rest_k.shape[1]], room[1][:, :rest_k.shape[1]])
         return taken
 
+    def put_back(self, layer: int, cut: list[KVBlock], tokens: int) -> None:
+        """Make ``layer``'s window the first ``tokens`` of the blocks ``cut`` from it since its
+        group last sealed, followed by the window: a failed forward pass undone
+        (``recover.roll_back``). Its buffer is kept, or made anew at its size at least."""
+        k, v = self._windows[layer]
+        if not cut:
+            self._windows[layer] = (k[:, :tokens], v[:, :tokens])
+            return
+        keys = torch.cat([block.keys.to(k.device) for block in cut] + [k], dim=1)[:, :tokens]
+        values = torch.cat([block.values.to(v.device) for block in cut] + [v], dim=1)[:, :tokens]
+        room = self._allocate(layer, keys, values, max(tokens, self._capacity[layer]))
+        self._windows[layer] = (room[0][:, :tokens], room[1][:, :tokens])
+
     def held_bytes(self, layer: int) -> int:
         """Device bytes ``layer``'s window holds: its buffer's, or the window's own."""
         room = self._rooms[layer]

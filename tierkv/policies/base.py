@@ -218,6 +218,11 @@ class Policy:
     def observe_prefill(self, cache, layer: int, mass: torch.Tensor) -> None:
         """Called after each prefill pass of a layer, mass : Tensor, shape (kv_heads, n)."""
 
+    def roll_back(self, cache, tokens: int) -> None:
+        """Forget what a forward pass that failed part-way added for positions from ``tokens`` on
+        (``hf/recover.py``) and any work it left for a later layer; what it learned of earlier
+        positions may stay. Default: nothing to forget."""
+
     def budget(self, cache, group: int | None = None) -> int:
         """Token budget of the sealed context this step: ``SelectConfig.tokens`` less the recent
         window, attended on top. With ``group``, the window is what that group's layers attend

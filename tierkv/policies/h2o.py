@@ -28,6 +28,12 @@ class H2O(Policy):
     def load_state(self, arrays):
         self._acc, self._evicted = layers_of("acc", arrays), layers_of("evicted", arrays)
 
+    def roll_back(self, cache, tokens):
+        for layer in self._acc:
+            self._acc[layer] = self._acc[layer][:, :tokens]
+        for layer in self._evicted:
+            self._evicted[layer] = self._evicted[layer][:, :tokens]
+
     def observe_prefill(self, cache, layer, mass):
         acc = self._grow(cache, self._acc.get(layer), mass.shape[1])
         self._acc[layer] = acc + mass.float().cpu()

@@ -45,7 +45,8 @@ class LeoAM(Quest):
         index = cache.index_of(layer)
         scores = self._unfetched_estimate(index, q[:, 0], k, leaves, scaling, cache.layer_length(layer))
         scores[positions] = probs.sum(dim=(0, 1)).cpu()
-        index.adapt(scores, leaves, self.select.sinks, None, None, self.max_leaf(cache))
+        with cache.changing():
+            index.adapt(scores, leaves, self.select.sinks, None, None, self.max_leaf(cache))
         return out
 
     @staticmethod

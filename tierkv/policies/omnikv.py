@@ -102,6 +102,9 @@ class OmniKV(Policy):
     def load_state(self, arrays):
         self._smoothed = layers_of("smoothed", arrays)
 
+    def roll_back(self, cache, tokens):
+        self._to_adapt.clear()  # a fold the failed pass's filter layer left for a later group
+
     def record_tokens(self, group):
         if group[0] < self.filters[0] or self._full_after(group):
             tokens = DENSE_RECORD_TOKENS

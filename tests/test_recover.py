@@ -1,0 +1,328 @@
+"""A forward pass that fails part-way, and Ctrl-C during one, on tiny random Llamas: the cache is
+put back as it was before the pass where none of its tokens was sealed (``tierkv.hf.recover``)
+and goes on as a cache that never saw the pass; otherwise it refuses to go on."""
+from __future__ import annotations
+
+import contextlib
+import signal
+
+import pytest
+import torch
+
+from tierkv import TierConfig, TieredCache
+from tierkv.hf.model import cache_kwargs
+from tierkv.policies import REGISTRY
+from tinyllama import ids, tiny
+
+TIERS = dict(device_budget="8MB", host_budget="8MB")
+
+
+def step(model, cache, token):
+    return model(token, **cache_kwargs(model, cache), use_cache=True).logits[0, -1]
+
+
+def held(cache):
+    """What the cache holds: its ids and every layer's length."""
+    return cache.token_ids.clone(), [cache.layer_length(i) for i in range(cache.shape.layers)]
+
+
+@contextlib.contextmanager
+def twins(prompt: int = 50):
+    """``full`` caches on two copies of one tiny model, both fed ``prompt`` tokens: (model,
+    cache, other model, plain cache), the first to fail, the second never."""
+    model, other = tiny(layers=6), tiny(layers=6)
+    with TieredCache(model, TierConfig(**TIERS), "full") as cache, \
+            TieredCache(other, TierConfig(**TIERS), "full") as plain, torch.no_grad():
+        step(model, cache, ids(prompt))
+        step(other, plain, ids(prompt))
+        yield model, cache, other, plain
+
+
+class Fail:
+    """Make the next forward pass fail at ``layer``, in one of the ways a pass stops."""
+
+    def __init__(self, model, cache, layer: int, how: str):
+        self.model, self.cache, self.how = model, cache, how
+        if how == "error in the attention":  # raised inside the cache's own code
+            real = cache._attend
+
+            def attend(module, query, scaling):
+                if module.layer_idx == layer:
+                    raise ValueError("attention broke")
+                return real(module, query, scaling)
+            self.undo = lambda: vars(cache).pop("_attend")
+            cache._attend = attend
+        else:
+            hook = model.model.layers[layer].register_forward_pre_hook(self.hook)
+            self.undo = hook.remove
+
+    def hook(self, module, args):
+        if self.how == "error in a layer":
+            raise RuntimeError("layer broke")
+        if self.how == "interrupt outside the cache":  # another handler's, not held
+            raise KeyboardInterrupt
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C
+        if self.how == "ctrl-c twice":
+            signal.raise_signal(signal.SIGINT)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.undo()
+
+
+FAILURES = ["error in a layer", "error in the attention", "interrupt outside the cache"]
+
+
+@pytest.mark.parametrize("how", FAILURES)
+def test_a_decode_step_that_fails_part_way_is_undone(how):
+    """A decode step stopped at each of the layers in turn (over 16 steps, so groups seal older
+    tokens in some of them): the cache holds what it held before, and the step run again gives
+    the logits of a cache that never failed."""
+    with twins() as (model, cache, other, plain):
+        for n in range(16):
+            token = ids(1, seed=100 + n)
+            before = held(cache)
+            error = KeyboardInterrupt if how.startswith("interrupt") else Exception
+            with Fail(model, cache, n % 6, how), pytest.raises(error):
+                step(model, cache, token)
+            # (after an interrupt outside the cache, the undo waits for its next use)
+            got = step(model, cache, token)
+            assert torch.equal(held(cache)[0][:, :-1], before[0])
+            torch.testing.assert_close(got, step(other, plain, token), rtol=1e-6, atol=1e-6)
+            assert held(cache)[1] == held(plain)[1]
+
+
+@pytest.mark.parametrize("how", ["error in a layer", "error in the attention"])
+def test_what_a_failed_pass_leaves_is_what_was_there_before(how):
+    """Right after the exception: the ids, every layer's length, the device tier's use and the
+    steps counted are as before the pass; autograd's mode is back."""
+    model = tiny(layers=6)
+    with TieredCache(model, TierConfig(**TIERS), "tierkv") as cache:
+        step(model, cache, ids(300))
+        for n in range(3):
+            step(model, cache, ids(1, seed=10 + n))
+        before, used, steps = held(cache), cache.store.device.used, cache.steps
+        with Fail(model, cache, 4, how), pytest.raises(Exception, match="broke"):
+            step(model, cache, ids(1, seed=20))
+        after = held(cache)
+        assert torch.equal(after[0], before[0]) and after[1] == before[1]
+        assert cache.store.device.used <= used and cache.steps == steps
+        assert torch.is_grad_enabled() and not cache._step
+        step(model, cache, ids(1, seed=20))
+        assert cache.get_seq_length() == 304
+
+
+def test_ctrl_c_lets_a_decode_step_end_and_stops_a_prompt_between_layers():
+    """Ctrl-C during a decode step: the step ends (the cache holds its token), then
+    KeyboardInterrupt. During a prompt: it stops as its next layer attends, and the prompt is
+    undone; run again, both give a never-interrupted cache's logits. Python's own SIGINT
+    handler is back after each pass."""
+    with twins() as (model, cache, other, plain):
+        with Fail(model, cache, 3, "ctrl-c"), pytest.raises(KeyboardInterrupt):
+            step(model, cache, ids(1, seed=7))
+        assert cache.get_seq_length() == 51 and cache.token_ids.shape[1] == 51
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        step(other, plain, ids(1, seed=7))
+        question = ids(20, seed=8)  # a prompt within the recent window: none of it sealed
+        for layer in range(6):
+            with Fail(model, cache, layer, "ctrl-c"), pytest.raises(KeyboardInterrupt):
+                step(model, cache, question)
+            assert [cache.layer_length(i) for i in range(6)] == [51] * 6
+            assert cache.token_ids.shape[1] == 51
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        torch.testing.assert_close(step(model, cache, question), step(other, plain, question),
+                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(step(model, cache, ids(1, seed=9)),
+                                   step(other, plain, ids(1, seed=9)), rtol=1e-6, atol=1e-6)
+
+
+def test_ctrl_c_twice_stops_at_once_and_the_cache_refuses_to_go_on():
+    model = tiny(layers=6)
+    with TieredCache(model, TierConfig(**TIERS), "full") as cache, torch.no_grad():
+        step(model, cache, ids(50))
+        with Fail(model, cache, 3, "ctrl-c twice"), pytest.raises(KeyboardInterrupt):
+            step(model, cache, ids(1, seed=7))
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with pytest.raises(RuntimeError, match=r"failed part-way \(KeyboardInterrupt: Ctrl-C "
+                                               r"twice"):
+            step(model, cache, ids(1, seed=7))
+        with pytest.raises(RuntimeError, match="cannot be saved"):
+            cache.save(cache.config.disk_dir or "unused")
+
+
+def test_an_application_s_own_sigint_handler_is_left_alone():
+    """Under a handler of the application's, a SIGINT is its to handle: the cache does not hold
+    it, and leaves the handler installed."""
+    model = tiny(layers=4)
+    seen = []
+
+    def mine(signum, frame):
+        seen.append(signum)
+
+    previous = signal.signal(signal.SIGINT, mine)
+    try:
+        with TieredCache(model, TierConfig(**TIERS), "full") as cache, torch.no_grad():
+            step(model, cache, ids(30))
+            with Fail(model, cache, 2, "ctrl-c"):
+                step(model, cache, ids(1, seed=3))
+            assert seen == [signal.SIGINT] and signal.getsignal(signal.SIGINT) is mine
+            assert cache.get_seq_length() == 31
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_prompt_whose_tokens_were_sealed_cannot_be_undone():
+    """A prompt longer than the recent window seals its tokens layer group by group: stopped
+    after the first group sealed, the cache refuses to go on, naming why."""
+    model = tiny(layers=6)
+    with TieredCache(model, TierConfig(**TIERS), "full") as cache, torch.no_grad():
+        step(model, cache, ids(50))
+        with Fail(model, cache, 3, "error in a layer"), pytest.raises(RuntimeError):
+            step(model, cache, ids(100, seed=5))
+        with pytest.raises(RuntimeError, match=r"failed part-way \(RuntimeError: layer broke; it "
+                                               r"cannot be undone: layer group 0 had sealed"):
+            step(model, cache, ids(1, seed=6))
+
+
+def records_stored(cache):
+    stats = cache.store.stats()  # (the device tier holds copies of some)
+    return stats["host_records"] + stats.get("disk_records", 0)
+
+
+@pytest.mark.parametrize("tokens", [1, 100])
+def test_a_store_that_fails_while_sealing_is_undone(monkeypatch, tokens):
+    """A full disk as a decode step seals (or as a prompt, on a cache with no disk tier, seals
+    its first layer group): the records it stored are removed, none is in the index, and the
+    pass is undone (older tokens that groups before it sealed stay sealed); with room again, the same pass gives a never-failed cache's logits."""
+    with twins(40) as (model, cache, other, plain):
+        for c, m in ((cache, model), (plain, other)):
+            for n in range(7):
+                step(m, c, ids(1, seed=n))
+        real, calls = cache.store.put, [0]
+
+        def put(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise OSError(28, "No space left on device")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(cache.store, "put", put)
+        before = held(cache)
+        token = ids(tokens, seed=50)  # the window's 32 + 8 tokens: a step seals 8 in each group
+        with pytest.raises(OSError):
+            step(model, cache, token)
+        assert calls[0] == 3  # (a step's first two groups sealed older tokens: they stay)
+        assert records_stored(cache) == sum(len(index.keys) for index in cache.indexes)
+        assert held(cache)[1] == before[1] and torch.equal(held(cache)[0], before[0])
+        monkeypatch.setattr(cache.store, "put", real)
+        torch.testing.assert_close(step(model, cache, token), step(other, plain, token),
+                                   rtol=1e-6, atol=1e-6)
+        assert held(cache)[1] == held(plain)[1]
+        assert records_stored(cache) == sum(len(index.keys) for index in cache.indexes)
+
+
+def test_a_prompt_whose_records_fail_to_store_cannot_be_undone(tmp_path, monkeypatch):
+    """With a disk tier a prompt's records are ranked by its index's new chunks, so the index
+    names them before they are stored: a full disk then leaves a cache that refuses to go on."""
+    model = tiny(layers=6)
+    config = TierConfig(device_budget="8MB", host_budget="8MB", disk_dir=tmp_path)
+    with TieredCache(model, config, "full") as cache, torch.no_grad():
+        step(model, cache, ids(50))
+
+        def put(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(cache.store, "put", put)
+        with pytest.raises(OSError):
+            step(model, cache, ids(100, seed=5))
+        with pytest.raises(RuntimeError, match=r"failed part-way \(OSError: \[Errno 28\] No "
+                                               r"space left on device\)"):
+            step(model, cache, ids(1, seed=9))
+
+
+@pytest.mark.parametrize("policy", sorted(REGISTRY))
+def test_every_policy_goes_on_after_failed_steps(policy):
+    """Every policy: decode steps and a question, each first failing at some layer, then run:
+    the cache's layers agree on their length, the ids on it, and the logits are finite."""
+    model = tiny(layers=6)
+    config = TierConfig(device_budget="1MB", host_budget="8MB")
+    profile = {"retrieval_heads": {"1": [0]}} if policy == "razor" else None
+    with TieredCache(model, config, policy, profile=profile) as cache, torch.no_grad():
+        step(model, cache, ids(400))
+        for n in range(12):
+            token = ids(1 if n != 8 else 12, seed=30 + n)
+            how = ["error in a layer", "error in the attention", "ctrl-c"][n % 3]
+            with Fail(model, cache, (n * 5) % 6, how), pytest.raises(BaseException):
+                step(model, cache, token)
+            if how != "ctrl-c" or token.shape[1] > 1:
+                assert torch.isfinite(step(model, cache, token)).all()
+            lengths = {cache.layer_length(i) for i in range(6)}
+            assert lengths == {cache.token_ids.shape[1]}
+        assert cache.store.device.peak <= cache.store.device.budget
+
+
+def test_ctrl_c_at_any_moment_leaves_a_cache_that_attends_rightly():
+    """SIGINTs sent from another thread at seeded random moments of prompts and decode steps
+    (so some land inside the cache's own code, some in the model's, some between passes): after
+    each, the cache's layers agree with its ids, and its next step gives the logits of plain
+    transformers over those ids."""
+    import os
+    import random
+    import threading
+    import time
+
+    model, plain = tiny(layers=6), tiny(layers=6)  # the same weights
+    rng = random.Random(0)
+    with TieredCache(model, TierConfig(**TIERS), "full") as cache, torch.no_grad():
+        step(model, cache, ids(40))
+        for trial in range(40):
+            fired = threading.Event()
+
+            def send():
+                os.kill(os.getpid(), signal.SIGINT)
+                fired.set()
+
+            timer = threading.Timer(rng.uniform(0, 0.02), send)
+            try:
+                timer.start()
+                n = 0
+                while not fired.is_set():
+                    step(model, cache, ids(1 if n % 4 else 12, seed=1000 * trial + n))
+                    n += 1
+                time.sleep(0.01)  # the handler runs in this thread, at its next instruction
+            except KeyboardInterrupt:
+                pass
+            timer.join()
+            token = ids(1, seed=trial)
+            got = step(model, cache, token)
+            held = cache.token_ids
+            assert {cache.layer_length(i) for i in range(6)} == {held.shape[1]}
+            torch.testing.assert_close(got, plain(held).logits[0, -1], rtol=1e-5, atol=1e-5)
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert cache.get_seq_length() < 4096
+
+
+def test_a_step_that_reads_a_damaged_record_is_undone(tmp_path):
+    """Records damaged on disk: the step that reads one stops with the record's error and
+    leaves the cache as it was; the next step reads and is refused by the damage alike, not by
+    a cache left half-stepped."""
+    from tierkv.pipeline.groupfetch import FetchError
+
+    model = tiny(layers=6)
+    config = TierConfig(device_budget="200KB", host_budget="16KB", disk_dir=tmp_path)
+    with TieredCache(model, config, "full") as cache, torch.no_grad():
+        step(model, cache, ids(300))
+        cache.store.disk.flush()
+        segment = next(tmp_path.glob("seg-*"))
+        data = bytearray(segment.read_bytes())
+        for i in range(100, len(data), 997):
+            data[i] ^= 0xFF
+        segment.write_bytes(bytes(data))
+        before = held(cache)
+        for _ in range(2):
+            with pytest.raises(FetchError, match="CorruptRecordError"):
+                step(model, cache, ids(1, seed=4))
+            after = held(cache)
+            assert torch.equal(after[0], before[0]) and after[1] == before[1]

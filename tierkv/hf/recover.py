@@ -1,0 +1,185 @@
+"""A forward pass through a ``TieredCache`` that fails part-way, and Ctrl-C during one.
+
+A pass that stops part-way leaves its first layers holding its tokens and the others not. Where
+no layer group sealed any of them into records (a decode step; a prompt of up to
+``SelectConfig.window`` tokens, a question; a longer one stopped before its first group's seal)
+they still lie in the recent windows, and ``roll_back`` takes them out: the token ids, the
+windows and the policy's per-token state (``Policy.roll_back``) are as before the pass, and the
+pass's fetches let go. What the policy learned from the part that ran (selector scores, tree
+folds, ``h2o``'s attention of older tokens) is kept, and older tokens that a group sealed in the
+pass stay sealed (the same pass run again seals them alike). A failure while the cache was
+changing its records or trees (``changing``: a seal, a rewrite, a tree's fold), an interrupt
+raised inside the cache's own code, or a pass whose new tokens were sealed leaves a cache that
+refuses to go on (``hooks.check_whole``), as every failed pass did before. A pass is undone as
+its exception leaves the model (``hooks.end_forward``), or, for one that skips the model's
+forward hooks (a ``KeyboardInterrupt`` that was not held), at the cache's next use.
+
+Ctrl-C during a pass (SIGINT in the main thread, under Python's own handler) is held
+(``HeldInterrupt``): a decode step ends first, so the cache holds its token, and the
+``KeyboardInterrupt`` comes as the step returns; a prompt stops when its next layer attends and
+is rolled back. A second Ctrl-C stops at once, wherever the pass is: the cache then refuses to go
+on.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import weakref
+from concurrent import futures
+
+import torch
+
+from ..workers import restore_threads
+
+
+class HeldInterrupt:
+    """Holds a SIGINT that arrives during a forward pass through ``cache`` (``hold`` ..
+    ``release``), where Python's default handler is installed and the pass runs in the main
+    thread (where signals arrive); elsewhere it changes nothing."""
+
+    def __init__(self, cache):
+        self._cache = weakref.ref(cache)
+        self._previous = None  # the handler ours replaced, while held
+        self._handler = self._handle
+        self.pending = False
+
+    def hold(self) -> None:
+        if self._previous is not None or threading.current_thread() is not threading.main_thread():
+            return
+        current = signal.getsignal(signal.SIGINT)
+        if current is not signal.default_int_handler and current != self._handler:
+            return  # the application's own handler decides
+        self.pending = False
+        signal.signal(signal.SIGINT, self._handler)
+        self._previous = signal.default_int_handler
+
+    def release(self) -> bool:
+        """Put Python's handler back; whether a SIGINT arrived meanwhile. (Ours, left installed
+        by a SIGINT that came as it was being put back, acts as Python's outside a pass.)"""
+        previous, self._previous = self._previous, None
+        if previous is not None and signal.getsignal(signal.SIGINT) == self._handler:
+            signal.signal(signal.SIGINT, previous)
+        pending, self.pending = self.pending, False
+        return pending
+
+    def _handle(self, signum, frame) -> None:
+        held = self._previous is not None  # (else left installed: acts as Python's)
+        if held and not self.pending:
+            self.pending = True  # raised as the step ends, or when the prompt's next layer attends
+            return
+        cache = self._cache()
+        if held and cache is not None:  # a second Ctrl-C: at once, wherever the pass is
+            if cache._in_forward:
+                cache._failed = "KeyboardInterrupt: Ctrl-C twice, the pass stopped where it was"
+            restore(cache)
+        self.release()
+        raise KeyboardInterrupt
+
+
+def stop(cache) -> None:
+    """Raise the held Ctrl-C of a prompt between two layers: the pass rolled back first."""
+    cache._cause = "KeyboardInterrupt: Ctrl-C"
+    roll_back(cache)
+    restore(cache)
+    cache._held.release()
+    raise KeyboardInterrupt
+
+
+def failed(cache, exc: BaseException) -> None:
+    """Note ``exc``, raised inside the cache's attention: undone with the pass (``roll_back``)
+    unless it came while the cache was changing its records (``changing``) or is an interrupt
+    that may have landed anywhere in the cache's code (not a held Ctrl-C)."""
+    cause = f"{type(exc).__name__}: {exc}"
+    if cache._failed is None and not isinstance(exc, Exception):
+        cache._failed = cause
+    elif cache._failed is None:
+        cache._cause = cause
+
+
+@contextlib.contextmanager
+def changing(cache):
+    """Mark a change to the cache's records or trees that a failure would leave half done: one
+    that raises leaves a cache that refuses to go on."""
+    try:
+        yield
+    except BaseException as exc:
+        if cache._failed is None:
+            cache._failed = f"{type(exc).__name__}: {exc}"
+        raise
+
+
+def restore(cache) -> None:
+    """Put back the compute threads a decode step changed (``TieredCache.decode_threads``), the
+    count new threads start with (``workers.restore_threads``) and autograd's mode."""
+    before, cache._before = cache._before, None
+    restore_threads()  # the cache's threads may have started since: their count is theirs
+    if before is None:
+        return
+    threads, grad = before
+    if threads is not None:
+        torch.set_num_threads(threads)
+    torch.set_grad_enabled(grad)
+
+
+def roll_back(cache) -> None:
+    """After a forward pass that stopped before its last layer attended: put the cache back as
+    it was before the pass, or, where that cannot be done, note why (``cache._failed``)."""
+    if not cache._in_forward or cache._failed is not None:
+        return
+    try:
+        why = _undo(cache)
+    except Exception as exc:  # noqa: BLE001 - the cause is kept for the next use to name
+        why = f"undoing it raised {type(exc).__name__}: {exc}"
+    if why is not None:
+        cause = cache._cause or "KeyboardInterrupt outside the cache's attention"
+        cache._failed = f"{cause}; it cannot be undone: {why}"
+    cache._cause = None
+
+
+def _undo(cache) -> str | None:
+    ids, held, steps = cache._start
+    for g, index in enumerate(cache.indexes):
+        if index.sealed > held:
+            return f"layer group {g} had sealed some of its tokens into records"
+    for g in list(cache._folds):  # a tree's fold on the helper thread: ended, or it broke the tree
+        try:
+            cache._folds.pop(g).result()
+        except Exception as exc:  # noqa: BLE001
+            return f"a fold of layer group {g}'s chunk tree raised {type(exc).__name__}: {exc}"
+    _let_go_of_reads(cache)
+    for layer in range(cache.shape.layers):
+        cache._window.put_back(layer, cache._pending[layer],
+                               held - cache.indexes[cache.group_of[layer]].sealed)
+        cache._pending[layer] = []
+        cache._fresh[layer] = False
+    cache.token_ids = cache.token_ids[:, :ids]
+    cache.policy.roll_back(cache, held)
+    cache.prompt_mass.clear()
+    cache.prompt_query.clear()
+    cache.asking = False
+    cache.question_choice.clear()
+    cache._chosen.clear()
+    cache._held_positions = None
+    cache.steps = steps
+    cache._in_forward = False
+    return None
+
+
+def _let_go_of_reads(cache) -> None:
+    """Cancel the pass's prefetches and the prefill's reads ahead; let go of what its fetches
+    held on the device tier."""
+    ahead, cache.prefill_ahead, cache.prefill_staged = cache.prefill_ahead, None, None
+    if ahead is not None and not ahead[3].cancel():
+        futures.wait([ahead[3]])
+    for key, held in cache._step.items():
+        if key[0] == "prefetch":
+            held[1].cancel()
+    cache._step.clear()
+    cache._kept.clear()
+    device = cache.store.device
+    for g in range(len(cache.groups)):
+        device.reserve(f"fetch:{g}", 0)
+        device.reserve(f"prefetch:{g}", 0)
+    for layer in range(cache.shape.layers):
+        device.reserve(f"prefill:{layer}", 0)
