@@ -165,6 +165,30 @@ class ChunkTree(LeafRecords):
         kmin, kmax = summarize(keys)
         self.append(self.n, self.n + keys.shape[1], kmin, kmax, record)
 
+    def mark(self) -> tuple:
+        """Where the leaves end now, for ``truncate``: (n, the last leaf's kmin, kmax and ema,
+        which a short tail's growth changes in place; None without leaves)."""
+        if not self.num_leaves:
+            return self.n, None
+        return self.n, (self.kmin[-1].clone(), self.kmax[-1].clone(), self.ema[-1].clone())
+
+    def truncate(self, mark: tuple) -> None:
+        """Drop what was appended since ``mark`` (``append_many``; no leaf split or merged since):
+        the leaves and records past its ``n``, a tail grown past it cut back."""
+        n, tail = mark
+        if n > self.n:
+            raise ValueError(f"truncate to {n} tokens: the tree holds {self.n}")
+        kept = int((self._bounds[:-1] < n).sum())  # leaves starting before n
+        self.bounds = torch.cat([self._bounds[:kept], torch.tensor([n])])
+        self.kmin, self.kmax = self.kmin[:kept].clone(), self.kmax[:kept].clone()
+        self.ema = self.ema[:kept].clone()
+        self.selected_count, self.cold = self.selected_count[:kept], self.cold[:kept]
+        if tail is not None:
+            self.kmin[-1], self.kmax[-1], self.ema[-1] = tail
+        self._records = [r for r in self._records if r.start < n]
+        self._record_cuts = self._levels = None
+        self.validate()
+
     # -- statistics -------------------------------------------------------------------
     def mass_per_leaf(self, token_scores: torch.Tensor) -> torch.Tensor:
         """Sum of ``token_scores`` (L,) with L >= n over each leaf: Tensor (m,), fp32.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tierkv.hf.cache
+import tierkv.hf.seal
 from tierkv import SelectConfig, TierConfig, TieredCache
 from tierkv.hf.cache import PINNED
 from tierkv.hf.prefill import RANK_SPAN
@@ -44,7 +44,7 @@ def test_the_first_step_reads_less_from_disk_than_with_every_record_ranked_alike
     ids, _ = passkey_cases[2]
     ranked, levels = _first_step_disk_bytes(model, ids, tmp_path / "ranked")
     assert levels > 2
-    monkeypatch.setattr(tierkv.hf.cache, "prompt_ranks",
+    monkeypatch.setattr(tierkv.hf.seal, "prompt_ranks",
                         lambda cache, g, start, count, hot, ranked: [hot] * count)
     alike, levels = _first_step_disk_bytes(model, ids, tmp_path / "alike")
     assert levels == 1

@@ -37,7 +37,8 @@ class CtrlC:
 @pytest.mark.parametrize("seed", [0, 3, 7])
 def test_ctrl_c_while_answering_leaves_a_cache_that_answers_again(model_and_tok, tmp_path, seed):
     """A ~1K-token document with a pass key, device 10 % / host 20 % of the KV, the rest on
-    disk, ``tierkv`` at a 10 % budget. Ctrl-C as the question is read (at layer 11 of its
+    disk, ``tierkv`` at a 10 % budget. Ctrl-C as the document is read: the cache is left empty,
+    and reads it again. Ctrl-C as the question is read (at layer 11 of its
     prefill): the question is undone, and asked again gives the tokens of a cache never
     interrupted. Ctrl-C at the third token of the answer: that step ends, generate stops; the
     question asked again after what was answered finds the key."""
@@ -53,6 +54,12 @@ def test_ctrl_c_while_answering_leaves_a_cache_that_answers_again(model_and_tok,
         config = TierConfig(device_budget=kv // 10, host_budget=kv // 5, disk_dir=tmp_path / run)
         with TieredCache(model, config, "tierkv", select=SelectConfig(budget=0.1)) as cache, \
                 torch.no_grad():
+            if run == "interrupted":  # the document's prefill, from layer 11 on
+                with CtrlC(model, 11, 1), pytest.raises(KeyboardInterrupt):
+                    model(doc, **cache_kwargs(model, cache), use_cache=True)
+                stats = cache.store.stats()
+                assert cache.get_seq_length() == 0 and not any(
+                    count for name, count in stats.items() if name.endswith("_records"))
             model(doc, **cache_kwargs(model, cache), use_cache=True)
             ids = torch.cat([doc, question], dim=1)
             if run == "interrupted":

@@ -39,13 +39,9 @@ from .hooks import install, uninstall
 from .prefill import prefill_attention
 from .profile import check_profile, load_profile
 from .recover import HeldInterrupt, changing, failed, stop
-from .seal import seal
+from .seal import PINNED, seal
 from .window import RecentWindows
 
-# Records of groups read whole every step rank above any step number: the host keeps them; the
-# others rank by the last step that read or sealed them, so the host caches what decode reads.
-# (What this leaves to disk: ``storage/ranking.py``.)
-PINNED = 2.0 ** 60
 
 
 class TieredLayer(CacheLayerMixin):
@@ -174,6 +170,7 @@ class TieredCache(GroupFetches, Cache):
         self._cause: str | None = None  # what stopped the pass under way (``recover``)
         self._held = HeldInterrupt(self)  # Ctrl-C during a pass
         self._start = (0, 0, 0)  # the ids, tokens and steps when the last forward pass began
+        self._marks: list | None = None  # where each group's chunks ended then, for a prompt
         self._thread: int | None = None  # the thread that began it
         self.steps = 0  # decode steps so far: the importance of what a step reads or seals
         self.trimmed_fetches = self.trimmed_tokens = 0  # fetches ``fit_to_device`` cut down
@@ -418,13 +415,9 @@ class TieredCache(GroupFetches, Cache):
             self.prefetch(chosen, self._step[("select", chosen)])
         self._chosen.clear()
         if last and self._pending[self.groups[g][0]]:
-            self._seal(g)
+            seal(self, g)
         if last and decoding:
             self._look_ahead((g + 1) % len(self.groups))
-
-    def _seal(self, g: int) -> None:
-        hot = self._importance(g)
-        seal(self, g, hot, ranked=hot != PINNED)
 
     # -- lifetime -----------------------------------------------------------------------
     def save(self, path) -> Path:

@@ -68,15 +68,19 @@ class GroupIndex:
         cuts = [s for s, e in bounds for s in _leaf_starts(s, e, leaf_tokens)] + [bounds[-1][1]]
         cuts = torch.tensor(cuts)
         kmin, kmax = summarize_segments(keys, cuts - start)
-        new = self.record_keys(bounds)
+        new = [RecordKey(self.doc, self.group, s, e) for s, e in bounds]
         self.tree.append_many(cuts, kmin, kmax, [RecordRef(key, s, e) for key, (s, e) in
                                                  zip(new, bounds)])
         self._all = None
         return new
 
-    def record_keys(self, bounds: list[tuple[int, int]]) -> list[RecordKey]:
-        """The keys ``add`` gives records over ``bounds``."""
-        return [RecordKey(self.doc, self.group, s, e) for s, e in bounds]
+    def truncate(self, mark: tuple) -> list[RecordKey]:
+        """Drop the chunks and records added since ``ChunkTree.mark``; the dropped records'
+        keys (``recover.roll_back``)."""
+        dropped = [r.handle for r in self.tree.records if r.start >= mark[0]]
+        self.tree.truncate(mark)
+        self._all = self._last = None
+        return dropped
 
     def fetch(self, leaves: torch.Tensor | None) -> Fetch:
         """The records holding ``leaves`` (LongTensor of leaf indices; all when None) and the

@@ -85,6 +85,8 @@ def begin_forward(cache, args, kwargs) -> None:
         raise ValueError(f"TieredCache.decode_threads={threads!r}: expected a positive int, or "
                          "None to leave torch's threads as they are")
     cache._start = cache.token_ids.shape[1], cache.get_seq_length(), cache.steps
+    # a prompt seals its own tokens: where each group's chunks end, to go back to (``recover``)
+    cache._marks = None if new == 1 else [index.tree.mark() for index in cache.indexes]
     cache._thread = threading.get_ident()
     cache._before = (torch.get_num_threads() if threads is not None else None,
                      torch.is_grad_enabled())

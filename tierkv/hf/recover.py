@@ -1,18 +1,21 @@
 """A forward pass through a ``TieredCache`` that fails part-way, and Ctrl-C during one.
 
-A pass that stops part-way leaves its first layers holding its tokens and the others not. Where
-no layer group sealed any of them into records (a decode step; a prompt of up to
-``SelectConfig.window`` tokens, a question; a longer one stopped before its first group's seal)
-they still lie in the recent windows, and ``roll_back`` takes them out: the token ids, the
-windows and the policy's per-token state (``Policy.roll_back``) are as before the pass, and the
-pass's fetches let go. What the policy learned from the part that ran (selector scores, tree
-folds, ``h2o``'s attention of older tokens) is kept, and older tokens that a group sealed in the
-pass stay sealed (the same pass run again seals them alike). A failure while the cache was
-changing its records or trees (``changing``: a seal, a rewrite, a tree's fold), an interrupt
-raised inside the cache's own code, or a pass whose new tokens were sealed leaves a cache that
-refuses to go on (``hooks.check_whole``), as every failed pass did before. A pass is undone as
-its exception leaves the model (``hooks.end_forward``), or, for one that skips the model's
-forward hooks (a ``KeyboardInterrupt`` that was not held), at the cache's next use.
+A pass that stops part-way leaves its first layers holding its tokens and the others not;
+``roll_back`` takes them out. Tokens still in the recent windows (a decode step's, a short
+prompt's) are cut from them; a prompt longer than the window has sealed some into records, group
+by group: the chunks and records added since the pass began (``ChunkTree.mark``) are taken out of
+the indexes and the store, and the older tokens they held go back to the windows (read from the
+records: where those spilled to disk under a lossy codec, as the codec gives them back). The
+token ids, the windows, the chunk trees and the policy's per-token state (``Policy.roll_back``)
+are then as before the pass, and its fetches are let go. What the policy learned from the part
+that ran (selector scores, tree folds, ``h2o``'s attention of older tokens) is kept, and older
+tokens that a decode step's group sealed stay sealed (the step run again seals them alike). A
+failure while the cache was changing its indexes or trees (``changing``: a chunk tree's fold, a
+record rewrite), an interrupt raised inside the cache's own code, or one while undoing (a
+damaged record to read back) leaves a cache that refuses to go on (``hooks.check_whole``), as
+every failed pass did before. A pass is undone as its exception leaves the model
+(``hooks.end_forward``), or, for one that skips the model's forward hooks (a
+``KeyboardInterrupt`` that was not held), at the cache's next use.
 
 Ctrl-C during a pass (SIGINT in the main thread, under Python's own handler) is held
 (``HeldInterrupt``): a decode step ends first, so the cache holds its token, and the
@@ -30,6 +33,7 @@ from concurrent import futures
 
 import torch
 
+from ..storage.base import KVBlock
 from ..workers import restore_threads
 
 
@@ -139,17 +143,18 @@ def roll_back(cache) -> None:
 
 def _undo(cache) -> str | None:
     ids, held, steps = cache._start
-    for g, index in enumerate(cache.indexes):
-        if index.sealed > held:
-            return f"layer group {g} had sealed some of its tokens into records"
+    sealed = [g for g, index in enumerate(cache.indexes) if index.sealed > held]
+    if sealed and cache._marks is None:  # (a decode step seals only older tokens)
+        return f"layer group {sealed[0]} had sealed some of its tokens into records"
     for g in list(cache._folds):  # a tree's fold on the helper thread: ended, or it broke the tree
         try:
             cache._folds.pop(g).result()
         except Exception as exc:  # noqa: BLE001
             return f"a fold of layer group {g}'s chunk tree raised {type(exc).__name__}: {exc}"
     _let_go_of_reads(cache)
+    taken = _unseal(cache, sealed, held)
     for layer in range(cache.shape.layers):
-        cache._window.put_back(layer, cache._pending[layer],
+        cache._window.put_back(layer, taken.get(layer, cache._pending[layer]),
                                held - cache.indexes[cache.group_of[layer]].sealed)
         cache._pending[layer] = []
         cache._fresh[layer] = False
@@ -164,6 +169,25 @@ def _undo(cache) -> str | None:
     cache.steps = steps
     cache._in_forward = False
     return None
+
+
+def _unseal(cache, groups: list[int], held: int) -> dict[int, list]:
+    """Take the prompt's records out of ``groups`` (the chunks added since ``cache._marks``,
+    their records removed from the store); per layer of those groups, the blocks of its tokens
+    from where its group's chunks ended before the prompt, up to ``held``, to go back to its
+    window. All are read before anything is changed."""
+    read = {}
+    for g in groups:
+        start = cache._marks[g][0]
+        keys = [key for key in cache.indexes[g].keys if key.start >= start and key.start < held]
+        read[g] = cache.store.fetch(keys, "cpu")
+    taken = {}
+    for g in groups:
+        for key in cache.indexes[g].truncate(cache._marks[g]):
+            cache.store.remove(key)
+        for slot, layer in enumerate(cache.groups[g]):
+            taken[layer] = [KVBlock(b.keys[slot], b.values[slot]) for b in read[g]]
+    return taken
 
 
 def _let_go_of_reads(cache) -> None:

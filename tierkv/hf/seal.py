@@ -7,15 +7,18 @@ import torch
 from ..storage.base import KVBlock
 from .prefill import prompt_ranks
 
+# Records of groups read whole every step rank above any step number: the host keeps them; the
+# others rank by the last step that read or sealed them, so the host caches what decode reads.
+# (What this leaves to disk: ``storage/ranking.py``.)
+PINNED = 2.0 ** 60
 
-def seal(cache, g: int, hot: float, ranked: bool) -> None:
+
+def seal(cache, g: int) -> None:
     """Seal group ``g``'s cut window tokens as records of ``cache.record_tokens[g]`` tokens,
-    ranked ``hot`` (a prompt's by its attention, ``prompt_ranks``, when ``ranked``).
-
-    A decode step's records are stored before the index names them: a store that fails (a full
-    disk) leaves them cut, put back with the step (``recover.roll_back``). A prompt's records
-    rank by the index's new leaves, so its index names them first, and a store that fails then
-    leaves a cache that refuses to go on (``recover.changing``)."""
+    ranked as the group's records are now (``TieredCache._importance``, once the index holds
+    them: whether the group is read whole depends on its length), a prompt's by its attention
+    (``prompt_ranks``). A store that fails (a full disk) takes the records back out of the index
+    and the store: the tokens stay cut, to be put back with the pass (``recover.roll_back``)."""
     layers = cache.groups[g]
     pending = [cache._pending[i] for i in layers]
     keys = torch.stack([torch.cat([b.keys for b in blocks], dim=1) for blocks in pending])
@@ -23,26 +26,19 @@ def seal(cache, g: int, hot: float, ranked: bool) -> None:
     index = cache.indexes[g]
     start, step = index.sealed, cache.record_tokens[g]
     bounds = [(s, s + step) for s in range(start, start + keys.shape[2], step)]
-    blocks = [KVBlock(keys[:, :, s - start:e - start], values[:, :, s - start:e - start])
-              for s, e in bounds]
-    if any(i in cache.prompt_mass for i in layers):
+    mark = index.tree.mark()
+    with cache.changing():
+        records = index.add(bounds, keys[0], cache.leaf_tokens[g])
+    try:
+        hot = cache._importance(g)
+        ranks = prompt_ranks(cache, g, start, len(bounds), hot, ranked=hot != PINNED)
+        for key, (s, e), rank in zip(records, bounds, ranks):
+            block = KVBlock(keys[:, :, s - start:e - start], values[:, :, s - start:e - start])
+            cache.store.put(key, block, importance=rank)
+    except BaseException:
         with cache.changing():
-            records = index.add(bounds, keys[0], cache.leaf_tokens[g])
-            ranks = prompt_ranks(cache, g, start, len(bounds), hot, ranked)
-            for key, block, rank in zip(records, blocks, ranks):
-                cache.store.put(key, block, importance=rank)
-    else:
-        records = index.record_keys(bounds)
-        stored = 0
-        try:
-            for key, block in zip(records, blocks):
-                cache.store.put(key, block, importance=hot)
-                stored += 1
-        except BaseException:
-            for key in records[:stored]:
+            for key in index.truncate(mark):
                 cache.store.remove(key)
-            raise
-        with cache.changing():
-            index.add(bounds, keys[0], cache.leaf_tokens[g])
+        raise
     for i in layers:
         cache._pending[i] = []

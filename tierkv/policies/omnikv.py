@@ -104,6 +104,7 @@ class OmniKV(Policy):
 
     def roll_back(self, cache, tokens):
         self._to_adapt.clear()  # a fold the failed pass's filter layer left for a later group
+        self._smoothed = {layer: scores[:tokens] for layer, scores in self._smoothed.items()}
 
     def record_tokens(self, group):
         if group[0] < self.filters[0] or self._full_after(group):
