@@ -24,11 +24,24 @@ class Model:
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, **kwargs):
         return {"input_ids": input_ids[:, -next_sequence_length:]}
 
+    def generate(self, input_ids):
+        return input_ids
+
+
+def test_generate_settles_the_cache_first():
+    """``generate`` on the guarded model first hands the cache to ``settle`` (a pass stopped
+    by what skipped the model's forward hook is undone before generate reads its length)."""
+    model, cache, settled = Model(), Held([5]), []
+    guard = GenerateGuard(model, cache, settled.append)
+    assert model.generate(7) == 7 and settled == [cache]
+    guard.remove()
+    assert "generate" not in vars(model) and model.generate(8) == 8 and settled == [cache]
+
 
 @pytest.mark.parametrize("keyword", ["cache", "past_key_values"])
 def test_the_first_step_of_a_generate_on_the_cache_checks_its_ids(keyword):
     model, cache = Model(), Held([5, 6, 7])
-    guard = GenerateGuard(model, cache)
+    guard = GenerateGuard(model, cache, lambda cache: None)
     step = {"is_first_iteration": True, keyword: cache, "next_sequence_length": 2}
     assert model.prepare_inputs_for_generation(torch.tensor([[5, 6, 7, 8, 9]]), **step)[
         "input_ids"].tolist() == [[8, 9]]

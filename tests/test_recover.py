@@ -27,15 +27,17 @@ def held(cache):
 
 
 @contextlib.contextmanager
-def twins(prompt: int = 50, policy: str = "full", tmp_path=None):
+def twins(prompt: int = 50, policy: str = "full", tmp_path=None, **tiers):
     """Caches of ``policy`` on two copies of one tiny model, both fed ``prompt`` tokens (with a
-    disk tier each under ``tmp_path`` when given): (model, cache, other model, plain cache), the
-    first to fail, the second never."""
+    disk tier each under ``tmp_path`` when given; ``tiers`` replace ``TIERS``): (model, cache,
+    other model, plain cache), the first to fail, the second never."""
     model, other = tiny(layers=6), tiny(layers=6)
-    configs = [TierConfig(**TIERS, disk_dir=None if tmp_path is None else tmp_path / name)
+    configs = [TierConfig(**{**TIERS, **tiers},
+                          disk_dir=None if tmp_path is None else tmp_path / name)
                for name in ("failing", "plain")]
-    with TieredCache(model, configs[0], policy) as cache, \
-            TieredCache(other, configs[1], policy) as plain, torch.no_grad():
+    profile = {"retrieval_heads": {"1": [0]}} if policy == "razor" else None
+    with TieredCache(model, configs[0], policy, profile=profile) as cache, \
+            TieredCache(other, configs[1], policy, profile=profile) as plain, torch.no_grad():
         if prompt:
             step(model, cache, ids(prompt))
             step(other, plain, ids(prompt))
@@ -43,12 +45,13 @@ def twins(prompt: int = 50, policy: str = "full", tmp_path=None):
 
 
 class Fail:
-    """Make the next forward pass fail at ``layer``, in one of the ways a pass stops."""
+    """Make the next forward pass fail at ``layer`` (past the last: after it, in the final
+    norm; in the attention, modulo the layers), in one of the ways a pass stops."""
 
     def __init__(self, model, cache, layer: int, how: str):
         self.model, self.cache, self.how = model, cache, how
         if how == "error in the attention":  # raised inside the cache's own code
-            real = cache._attend
+            real, layer = cache._attend, layer % len(model.model.layers)
 
             def attend(module, query, scaling):
                 if module.layer_idx == layer:
@@ -56,12 +59,15 @@ class Fail:
                 return real(module, query, scaling)
             self.undo = lambda: vars(cache).pop("_attend")
             cache._attend = attend
-        else:
-            hook = model.model.layers[layer].register_forward_pre_hook(self.hook)
-            self.undo = hook.remove
+        else:  # before the layer, or after the last one (the model's final norm)
+            where = model.model.layers[layer] if layer < len(model.model.layers) else model.model.norm
+            self.undo = where.register_forward_pre_hook(self.hook).remove
 
     def hook(self, module, args):
         if self.how == "error in a layer":
+            raise RuntimeError("layer broke")
+        if self.how == "ctrl-c and an error":
+            signal.raise_signal(signal.SIGINT)
             raise RuntimeError("layer broke")
         if self.how == "interrupt outside the cache":  # another handler's, not held
             raise KeyboardInterrupt
@@ -81,15 +87,15 @@ FAILURES = ["error in a layer", "error in the attention", "interrupt outside the
 
 @pytest.mark.parametrize("how", FAILURES)
 def test_a_decode_step_that_fails_part_way_is_undone(how):
-    """A decode step stopped at each of the layers in turn (over 16 steps, so groups seal older
-    tokens in some of them): the cache holds what it held before, and the step run again gives
-    the logits of a cache that never failed."""
+    """A decode step stopped at each of the layers in turn, and after the last (over 16 steps,
+    so groups seal older tokens in some of them): the cache holds what it held before, and the
+    step run again gives the logits of a cache that never failed."""
     with twins() as (model, cache, other, plain):
         for n in range(16):
             token = ids(1, seed=100 + n)
             before = held(cache)
             error = KeyboardInterrupt if how.startswith("interrupt") else Exception
-            with Fail(model, cache, n % 6, how), pytest.raises(error):
+            with Fail(model, cache, n % 7, how), pytest.raises(error):
                 step(model, cache, token)
             # (after an interrupt outside the cache, the undo waits for its next use)
             got = step(model, cache, token)
@@ -196,11 +202,14 @@ def test_a_long_prompt_stopped_after_its_groups_sealed_is_undone(tmp_path, polic
                 step(m, c, ids(1, seed=n))
         before, states, stored = held(cache), [index.state() for index in cache.indexes], \
             records_stored(cache)
+        windows = [cache.store.device.reserved_for(f"window:{layer}") for layer in range(6)]
         prompt = ids(100, seed=5)
         with Fail(model, cache, 4, how), pytest.raises(BaseException):
             step(model, cache, prompt)
         assert held(cache)[1] == before[1] and torch.equal(held(cache)[0], before[0])
         assert same_chunks(cache, states) and records_stored(cache) == stored
+        assert [cache.store.device.reserved_for(f"window:{layer}") for layer in range(6)] == \
+            windows  # (no prompt-sized window left behind)
         torch.testing.assert_close(step(model, cache, prompt), step(other, plain, prompt),
                                    rtol=1e-6, atol=1e-6)
         for n in range(3):
@@ -227,7 +236,7 @@ def records_stored(cache):
 def test_a_store_that_fails_while_sealing_is_undone(monkeypatch, tokens):
     """A full disk as a decode step seals (or as a prompt, on a cache with no disk tier, seals
     its first layer group): the records it stored are removed, none is in the index, and the
-    pass is undone (older tokens that groups before it sealed stay sealed); with room again, the same pass gives a never-failed cache's logits."""
+    pass is undone (what the groups before it sealed taken back out); with room again, the same pass gives a never-failed cache's logits."""
     with twins(40) as (model, cache, other, plain):
         for c, m in ((cache, model), (plain, other)):
             for n in range(7):
@@ -241,12 +250,13 @@ def test_a_store_that_fails_while_sealing_is_undone(monkeypatch, tokens):
             return real(*args, **kwargs)
 
         monkeypatch.setattr(cache.store, "put", put)
-        before = held(cache)
+        before, stored = held(cache), records_stored(cache)
+        states = [index.state() for index in cache.indexes]
         token = ids(tokens, seed=50)  # the window's 32 + 8 tokens: a step seals 8 in each group
         with pytest.raises(OSError):
             step(model, cache, token)
-        assert calls[0] == 3  # (a step's first two groups sealed older tokens: they stay)
-        assert records_stored(cache) == sum(len(index.keys) for index in cache.indexes)
+        assert calls[0] == 3  # (the pass's first two groups had sealed: taken back out too)
+        assert records_stored(cache) == stored and same_chunks(cache, states)
         assert held(cache)[1] == before[1] and torch.equal(held(cache)[0], before[0])
         monkeypatch.setattr(cache.store, "put", real)
         torch.testing.assert_close(step(model, cache, token), step(other, plain, token),
@@ -279,24 +289,66 @@ def test_a_prompt_whose_records_fail_to_store_is_undone(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("policy", sorted(REGISTRY))
-def test_every_policy_goes_on_after_failed_steps(policy):
-    """Every policy: decode steps and a question, each first failing at some layer, then run:
-    the cache's layers agree on their length, the ids on it, and the logits are finite."""
-    model = tiny(layers=6)
-    config = TierConfig(device_budget="1MB", host_budget="8MB")
-    profile = {"retrieval_heads": {"1": [0]}} if policy == "razor" else None
-    with TieredCache(model, config, policy, profile=profile) as cache, torch.no_grad():
-        step(model, cache, ids(400))
-        for n in range(12):
-            token = ids(1 if n != 8 else 12, seed=30 + n)
+def test_every_policy_goes_on_after_failed_passes_as_if_they_never_ran(tmp_path, policy):
+    """Every policy, a small device tier and a disk tier: decode steps, a question and a prompt
+    longer than the window, each first stopped at some layer (an error before a layer or in the
+    attention, Ctrl-C), then run: the ids, lengths and device bytes held for the windows of a
+    cache that never failed, and, but for the adaptive trees of ``leoam`` and ``tierkv`` (what
+    a failed pass's attention taught them is kept), its logits and chunk trees (what the
+    policies learned in failed passes is undone: ``h2o``'s evictions, the selectors' scores)."""
+    with twins(400, policy, tmp_path, device_budget="1MB") as (model, cache, other, plain):
+        adaptive = cache.policy.adaptive
+        for n in range(15):
+            token = ids({8: 12, 13: 80}.get(n, 1), seed=30 + n)
             how = ["error in a layer", "error in the attention", "ctrl-c"][n % 3]
-            with Fail(model, cache, (n * 5) % 6, how), pytest.raises(BaseException):
+            with Fail(model, cache, (n * 5) % 7, how), pytest.raises(BaseException):
                 step(model, cache, token)
-            if how != "ctrl-c" or token.shape[1] > 1:
-                assert torch.isfinite(step(model, cache, token)).all()
-            lengths = {cache.layer_length(i) for i in range(6)}
-            assert lengths == {cache.token_ids.shape[1]}
+            if how == "ctrl-c" and token.shape[1] == 1:  # the step ended before the interrupt
+                step(other, plain, token)
+            else:
+                got, want = step(model, cache, token), step(other, plain, token)
+                if adaptive:  # what a failed pass's attention taught its trees is kept
+                    assert torch.isfinite(got).all()
+                else:
+                    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            assert held(cache)[1] == held(plain)[1] and torch.equal(held(cache)[0], held(plain)[0])
+            assert [cache.store.device.reserved_for(f"window:{layer}") for layer in range(6)] == \
+                [plain.store.device.reserved_for(f"window:{layer}") for layer in range(6)]
+            assert adaptive or same_chunks(cache, [index.state() for index in plain.indexes])
         assert cache.store.device.peak <= cache.store.device.budget
+
+
+def test_an_interrupt_that_skips_the_model_s_hooks_is_undone_at_the_next_use():
+    """A KeyboardInterrupt not held (raised by code, or by an application's handler) skips the
+    model's forward hook: a Ctrl-C after it is not held (the pass is over), autograd's mode and
+    the SIGINT handler come back at the cache's next use, and ``generate`` given the ids the
+    cache reports then goes on as a cache that never failed."""
+    with twins() as (model, cache, other, plain):
+        with torch.enable_grad():
+            with Fail(model, cache, 3, "interrupt outside the cache"), \
+                    pytest.raises(KeyboardInterrupt):
+                step(model, cache, ids(20, seed=3))
+            with pytest.raises(KeyboardInterrupt):  # at once: no pass is under way
+                signal.raise_signal(signal.SIGINT)
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            more = torch.cat([cache.token_ids, ids(4, seed=4)], dim=1)  # (still the pass's ids)
+            got = model.generate(more, **cache_kwargs(model, cache), max_new_tokens=5,
+                                 do_sample=False)
+            assert torch.is_grad_enabled()
+        step(other, plain, more[:, 50:])
+        assert torch.equal(got[0, :more.shape[1]], more[0])
+        assert cache.token_ids.shape[1] == more.shape[1] + 4 == plain.token_ids.shape[1] + 4
+
+
+def test_ctrl_c_during_a_pass_that_fails_raises_keyboardinterrupt_and_undoes_it():
+    with twins() as (model, cache, other, plain):
+        before = held(cache)
+        with Fail(model, cache, 3, "ctrl-c and an error"), pytest.raises(KeyboardInterrupt):
+            step(model, cache, ids(1, seed=3))
+        assert held(cache)[1] == before[1]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        torch.testing.assert_close(step(model, cache, ids(1, seed=3)),
+                                   step(other, plain, ids(1, seed=3)), rtol=1e-6, atol=1e-6)
 
 
 def test_ctrl_c_at_any_moment_leaves_a_cache_that_attends_rightly():

@@ -173,15 +173,25 @@ def check_prefix(held_ids: torch.Tensor, input_ids: torch.Tensor) -> None:
 
 class GenerateGuard:
     """Wraps ``model.prepare_inputs_for_generation`` so that each ``generate`` call on ``cache``
-    checks, before its first forward pass, that its ids continue the cache's (``check_prefix``);
-    ``remove()`` unwraps it. Only where generate slices the ids (they start with the cached
-    ones) and the cache knows its ids (they were fed as ``input_ids``)."""
+    checks, before its first forward pass, that its ids continue the cache's (``check_prefix``),
+    and ``model.generate`` so that it first calls ``settle(cache)`` (``hooks.check_whole``: a
+    pass that something other than an ``Exception`` stopped is undone before generate reads the
+    cache's length); ``remove()`` unwraps both. Only where generate slices the ids (they start
+    with the cached ones) and the cache knows its ids (they were fed as ``input_ids``)."""
 
-    def __init__(self, model, cache):
+    def __init__(self, model, cache, settle):
         self.model, self.prepare = model, getattr(model, "prepare_inputs_for_generation", None)
-        self.wrapper = None
+        self.wrapper = self.generate = None
         if self.prepare is None:  # a model without generate
             return
+        generate = getattr(model, "generate", None)
+        if generate is not None:
+            @functools.wraps(generate)
+            def guarded(*args, **kwargs):
+                settle(cache)
+                return generate(*args, **kwargs)
+
+            model.generate = self.generate = guarded
 
         @functools.wraps(self.prepare)  # generate reads its signature
         def prepare(input_ids, *args, **kwargs):
@@ -197,9 +207,10 @@ class GenerateGuard:
         model.prepare_inputs_for_generation = self.wrapper = prepare
 
     def remove(self) -> None:
-        if self.wrapper is not None and \
-                self.model.__dict__.get("prepare_inputs_for_generation") is self.wrapper:
-            del self.model.prepare_inputs_for_generation
+        for name, wrapper in (("prepare_inputs_for_generation", self.wrapper),
+                              ("generate", self.generate)):
+            if wrapper is not None and self.model.__dict__.get(name) is wrapper:
+                delattr(self.model, name)
 
 
 def device_need(tag: str, per_token: int) -> str:

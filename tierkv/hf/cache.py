@@ -38,7 +38,7 @@ from .groups import Fetch, GroupIndex
 from .hooks import install, uninstall
 from .prefill import prefill_attention
 from .profile import check_profile, load_profile
-from .recover import HeldInterrupt, changing, failed, stop
+from .recover import HeldInterrupt, changing, failed, restore, stop
 from .seal import PINNED, seal
 from .window import RecentWindows
 
@@ -165,16 +165,17 @@ class TieredCache(GroupFetches, Cache):
         self._kept: dict = {}  # group -> (keys, Scattered) it read in place last step (``fetched``)
         self._chosen: list[int] = []  # groups whose selection waits for the chooser's release
         self._held_positions = None  # (fetched positions, (sealed, window), attended positions)
-        self._in_forward = False  # a forward pass has begun and its last layer not yet attended
+        self._in_forward = False  # a forward pass has begun and not yet returned
         self._failed: str | None = None  # why a pass that failed part-way cannot be undone
         self._cause: str | None = None  # what stopped the pass under way (``recover``)
         self._held = HeldInterrupt(self)  # Ctrl-C during a pass
         self._start = (0, 0, 0)  # the ids, tokens and steps when the last forward pass began
-        self._marks: list | None = None  # where each group's chunks ended then, for a prompt
+        self._sealed_in_pass: dict = {}  # group -> ``ChunkTree.mark`` before the pass sealed
         self._thread: int | None = None  # the thread that began it
         self.steps = 0  # decode steps so far: the importance of what a step reads or seals
         self.trimmed_fetches = self.trimmed_tokens = 0  # fetches ``fit_to_device`` cut down
         self._pinned: set[int] = set()  # groups whose records were sealed or read as PINNED
+        self._pinned_at_start: set[int] = set()  # those as the last forward pass began
         self.token_ids = torch.zeros(1, 0, dtype=torch.long)
         self.snapshot: set | None = None  # disk records of the saved document this cache holds
         self.prefill_staged = self.prefill_ahead = None  # layers' sealed KV, the next (prefill.py)
@@ -231,9 +232,7 @@ class TieredCache(GroupFetches, Cache):
         except BaseException as exc:
             failed(self, exc)
             raise
-        if module.layer_idx == self.shape.layers - 1:
-            self._in_forward = False
-        elif prompt and self._held.pending:
+        if prompt and self._held.pending and module.layer_idx < self.shape.layers - 1:
             stop(self)
         return out, None
 
@@ -445,6 +444,8 @@ class TieredCache(GroupFetches, Cache):
         """Give the model back its own attention and release the tiers (idempotent)."""
         if self._model is None:
             return
+        if self._in_forward:  # a pass stopped by what skipped ``end_forward``
+            restore(self)
         self._held.release()
         uninstall(self)
         self.reader.shutdown(wait=True, cancel_futures=True)

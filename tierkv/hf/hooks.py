@@ -28,8 +28,8 @@ def install(cache, model) -> None:
     cache._hooks.append(model.register_forward_pre_hook(
         lambda module, args, kwargs: begin_forward(cache, args, kwargs), with_kwargs=True))
     cache._hooks.append(model.register_forward_hook(
-        lambda module, args, out: end_forward(cache), always_call=True))
-    cache._hooks.append(GenerateGuard(model, cache))
+        lambda module, args, out: end_forward(cache, out), always_call=True))
+    cache._hooks.append(GenerateGuard(model, cache, check_whole))
     model._tierkv_cache = weakref.ref(cache)
 
 
@@ -85,8 +85,9 @@ def begin_forward(cache, args, kwargs) -> None:
         raise ValueError(f"TieredCache.decode_threads={threads!r}: expected a positive int, or "
                          "None to leave torch's threads as they are")
     cache._start = cache.token_ids.shape[1], cache.get_seq_length(), cache.steps
-    # a prompt seals its own tokens: where each group's chunks end, to go back to (``recover``)
-    cache._marks = None if new == 1 else [index.tree.mark() for index in cache.indexes]
+    cache._sealed_in_pass = {}  # group -> where its chunks ended before the pass sealed (``seal``)
+    cache._pinned_at_start = set(cache._pinned)
+    cache.policy.mark()
     cache._thread = threading.get_ident()
     cache._before = (torch.get_num_threads() if threads is not None else None,
                      torch.is_grad_enabled())
@@ -110,23 +111,28 @@ def check_whole(cache, doing: str = "go on") -> None:
     if cache._failed is None and cache._thread != threading.get_ident():
         raise RuntimeError(f"this TieredCache cannot {doing}: a forward pass in another thread "
                            "is using it (a cache serves one forward pass at a time)")
+    restore(cache)  # (a pass stopped by what skipped ``end_forward`` left them)
+    cache._held.release()
     raise RuntimeError(f"this TieredCache cannot {doing}: a forward pass failed part-way "
                        f"({cache._failed}), so its layers hold different lengths; close() it (a "
                        "saved document reopens as it was saved) and start again")
 
 
-def end_forward(cache) -> None:
-    """After a forward pass, whether it ended or raised an ``Exception``: the compute threads a
-    decode step changed and autograd's mode put back (``recover.restore``), a pass that failed
-    part-way rolled back, and a Ctrl-C held during a pass that ended raised now."""
+def end_forward(cache, out) -> None:
+    """After a forward pass, whether it ended or raised an ``Exception`` (then torch calls this
+    hook as it handles it, with ``out`` None): the compute threads a decode step changed and
+    autograd's mode put back (``recover.restore``); a pass that failed undone, one that ended
+    done; a Ctrl-C held during the pass raised now (in place of the failed pass's exception, a
+    ``KeyboardInterrupt`` being the one this hook may raise)."""
     restore(cache)
-    if cache._in_forward:  # failed: raising here would only be warned of
-        raised = sys.exc_info()[1]  # (torch calls this hook as it handles the pass's exception)
+    if out is None and cache._in_forward:
+        raised = sys.exc_info()[1]  # (the exception torch is handling)
         if cache._cause is None and raised is not None:
             cache._cause = f"{type(raised).__name__}: {raised}"
         roll_back(cache)
-        cache._held.release()
-    elif cache._held.release() and cache._failed is None:
+    else:
+        cache._in_forward = False
+    if cache._held.release() and cache._failed is None:
         raise KeyboardInterrupt
 
 

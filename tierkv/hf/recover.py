@@ -1,21 +1,22 @@
 """A forward pass through a ``TieredCache`` that fails part-way, and Ctrl-C during one.
 
 A pass that stops part-way leaves its first layers holding its tokens and the others not;
-``roll_back`` takes them out. Tokens still in the recent windows (a decode step's, a short
-prompt's) are cut from them; a prompt longer than the window has sealed some into records, group
-by group: the chunks and records added since the pass began (``ChunkTree.mark``) are taken out of
-the indexes and the store, and the older tokens they held go back to the windows (read from the
-records: where those spilled to disk under a lossy codec, as the codec gives them back). The
-token ids, the windows, the chunk trees and the policy's per-token state (``Policy.roll_back``)
-are then as before the pass, and its fetches are let go. What the policy learned from the part
-that ran (selector scores, tree folds, ``h2o``'s attention of older tokens) is kept, and older
-tokens that a decode step's group sealed stay sealed (the step run again seals them alike). A
-failure while the cache was changing its indexes or trees (``changing``: a chunk tree's fold, a
-record rewrite), an interrupt raised inside the cache's own code, or one while undoing (a
-damaged record to read back) leaves a cache that refuses to go on (``hooks.check_whole``), as
-every failed pass did before. A pass is undone as its exception leaves the model
-(``hooks.end_forward``), or, for one that skips the model's forward hooks (a
-``KeyboardInterrupt`` that was not held), at the cache's next use.
+``roll_back`` takes them out. Tokens still in the recent windows are cut from them; what a group
+sealed in the pass (older tokens as a decode step's window fills, a long prompt's own, group by
+group) is taken back out of its index and the store, to where its chunks ended before
+(``ChunkTree.mark``, taken by ``seal``), and the tokens that were in the windows go back there
+(read from the records: where those spilled to disk under a lossy codec, as the codec gives them
+back). The token ids, the windows, the chunk trees, the policy's state (``Policy.mark`` /
+``roll_back``: ``h2o``'s accumulated attention and evictions, the selectors' running scores)
+and the records' placement ranks are then as before the pass, and its fetches are let go; what
+a failed pass's attention taught the adaptive trees of ``leoam`` and ``tierkv`` (their folds)
+is kept. A failure while the cache was changing its indexes or trees (``changing``: a chunk
+tree's fold, a record rewrite), an interrupt raised inside the cache's own code, or one while
+undoing (a damaged record to read back) leaves a cache that refuses to go on
+(``hooks.check_whole``), as every failed pass did before. A pass is undone as its exception
+leaves the model (``hooks.end_forward``, which torch calls for an ``Exception``), or, for one
+that skips the model's forward hooks (a ``KeyboardInterrupt`` that was not held), at the
+cache's next use (a forward pass, ``save``, ``generate``).
 
 Ctrl-C during a pass (SIGINT in the main thread, under Python's own handler) is held
 (``HeldInterrupt``): a decode step ends first, so the cache holds its token, and the
@@ -35,6 +36,7 @@ import torch
 
 from ..storage.base import KVBlock
 from ..workers import restore_threads
+from .seal import PINNED
 
 
 class HeldInterrupt:
@@ -68,17 +70,31 @@ class HeldInterrupt:
         return pending
 
     def _handle(self, signum, frame) -> None:
-        held = self._previous is not None  # (else left installed: acts as Python's)
-        if held and not self.pending:
+        cache = self._cache()
+        # held, in a pass still under way (not one that something other than an Exception
+        # stopped, which skips ``end_forward``: then this acts as Python's handler)
+        live = self._previous is not None and cache is not None and _running(frame, cache._model)
+        if live and not self.pending:
             self.pending = True  # raised as the step ends, or when the prompt's next layer attends
             return
-        cache = self._cache()
-        if held and cache is not None:  # a second Ctrl-C: at once, wherever the pass is
-            if cache._in_forward:
-                cache._failed = "KeyboardInterrupt: Ctrl-C twice, the pass stopped where it was"
+        if live:  # a second Ctrl-C: at once, wherever the pass is
+            cache._failed = "KeyboardInterrupt: Ctrl-C twice, the pass stopped where it was"
+        if cache is not None and self._previous is not None:
             restore(cache)
         self.release()
         raise KeyboardInterrupt
+
+
+_CALL = torch.nn.Module._call_impl.__code__
+
+
+def _running(frame, model) -> bool:
+    """Whether ``frame`` is inside a call of ``model`` (its ``Module._call_impl``)."""
+    while frame is not None:
+        if frame.f_code is _CALL and frame.f_locals.get("self") is model:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def stop(cache) -> None:
@@ -143,23 +159,25 @@ def roll_back(cache) -> None:
 
 def _undo(cache) -> str | None:
     ids, held, steps = cache._start
-    sealed = [g for g, index in enumerate(cache.indexes) if index.sealed > held]
-    if sealed and cache._marks is None:  # (a decode step seals only older tokens)
-        return f"layer group {sealed[0]} had sealed some of its tokens into records"
     for g in list(cache._folds):  # a tree's fold on the helper thread: ended, or it broke the tree
         try:
             cache._folds.pop(g).result()
         except Exception as exc:  # noqa: BLE001
             return f"a fold of layer group {g}'s chunk tree raised {type(exc).__name__}: {exc}"
     _let_go_of_reads(cache)
-    taken = _unseal(cache, sealed, held)
+    taken = _unseal(cache, held)
+    for g in cache._pinned_at_start - cache._pinned:  # unpinned by the pass's seals: pinned again
+        for key in cache.indexes[g].keys:
+            with contextlib.suppress(KeyError):
+                cache.store.set_importance(key, PINNED)
+    cache._pinned = set(cache._pinned_at_start)
     for layer in range(cache.shape.layers):
         cache._window.put_back(layer, taken.get(layer, cache._pending[layer]),
                                held - cache.indexes[cache.group_of[layer]].sealed)
         cache._pending[layer] = []
         cache._fresh[layer] = False
     cache.token_ids = cache.token_ids[:, :ids]
-    cache.policy.roll_back(cache, held)
+    cache.policy.roll_back(cache, held)  # (its ``mark`` was taken as the pass began)
     cache.prompt_mass.clear()
     cache.prompt_query.clear()
     cache.asking = False
@@ -171,22 +189,21 @@ def _undo(cache) -> str | None:
     return None
 
 
-def _unseal(cache, groups: list[int], held: int) -> dict[int, list]:
-    """Take the prompt's records out of ``groups`` (the chunks added since ``cache._marks``,
-    their records removed from the store); per layer of those groups, the blocks of its tokens
-    from where its group's chunks ended before the prompt, up to ``held``, to go back to its
-    window. All are read before anything is changed."""
-    read = {}
-    for g in groups:
-        start = cache._marks[g][0]
-        keys = [key for key in cache.indexes[g].keys if key.start >= start and key.start < held]
-        read[g] = cache.store.fetch(keys, "cpu")
+def _unseal(cache, held: int) -> dict[int, list]:
+    """Take what the pass sealed out of its groups' indexes and the store (back to
+    ``cache._sealed_in_pass``); per layer of those groups, the blocks of its tokens from where
+    its group's chunks ended before, up to ``held``, to go back to its window. All are read
+    before anything is changed."""
+    marks = cache._sealed_in_pass
+    read = {g: cache.store.fetch([key for key in cache.indexes[g].keys
+                                  if marks[g][0] <= key.start < held], "cpu") for g in marks}
     taken = {}
-    for g in groups:
-        for key in cache.indexes[g].truncate(cache._marks[g]):
+    for g, mark in marks.items():
+        for key in cache.indexes[g].truncate(mark):
             cache.store.remove(key)
         for slot, layer in enumerate(cache.groups[g]):
             taken[layer] = [KVBlock(b.keys[slot], b.values[slot]) for b in read[g]]
+    marks.clear()
     return taken
 
 

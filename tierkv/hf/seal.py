@@ -40,5 +40,6 @@ def seal(cache, g: int) -> None:
             for key in index.truncate(mark):
                 cache.store.remove(key)
         raise
+    cache._sealed_in_pass.setdefault(g, mark)  # a failed pass is undone to before its first seal
     for i in layers:
         cache._pending[i] = []

@@ -83,14 +83,18 @@ class RecentWindows:
     def put_back(self, layer: int, cut: list[KVBlock], tokens: int) -> None:
         """Make ``layer``'s window the first ``tokens`` of the blocks ``cut`` from it since its
         group last sealed, followed by the window: a failed forward pass undone
-        (``recover.roll_back``). Its buffer is kept, or made anew at its size at least."""
+        (``recover.roll_back``). Its buffer is as an append leaves it, ``max(tokens,
+        capacity[layer])`` tokens, so a prompt's larger one is let go."""
         k, v = self._windows[layer]
-        if not cut:
-            self._windows[layer] = (k[:, :tokens], v[:, :tokens])
+        if not cut and k.shape[1] == tokens:  # a layer the pass did not reach
             return
-        keys = torch.cat([block.keys.to(k.device) for block in cut] + [k], dim=1)[:, :tokens]
-        values = torch.cat([block.values.to(v.device) for block in cut] + [v], dim=1)[:, :tokens]
-        room = self._allocate(layer, keys, values, max(tokens, self._capacity[layer]))
+        if cut:
+            k = torch.cat([block.keys.to(k.device) for block in cut] + [k], dim=1)
+            v = torch.cat([block.values.to(v.device) for block in cut] + [v], dim=1)
+        k, v = k[:, :tokens], v[:, :tokens]
+        size, room = max(tokens, self._capacity[layer]), self._rooms[layer]
+        if cut or room is None or room[0].shape[1] != size:
+            room = self._allocate(layer, k, v, size)
         self._windows[layer] = (room[0][:, :tokens], room[1][:, :tokens])
 
     def held_bytes(self, layer: int) -> int:

@@ -218,10 +218,13 @@ class Policy:
     def observe_prefill(self, cache, layer: int, mass: torch.Tensor) -> None:
         """Called after each prefill pass of a layer, mass : Tensor, shape (kv_heads, n)."""
 
+    def mark(self) -> None:
+        """A forward pass begins: keep what ``roll_back`` would go back to. Default: nothing."""
+
     def roll_back(self, cache, tokens: int) -> None:
-        """Forget what a forward pass that failed part-way added for positions from ``tokens`` on
-        (``hf/recover.py``) and any work it left for a later layer; what it learned of earlier
-        positions may stay. Default: nothing to forget."""
+        """Go back to ``mark`` after a forward pass that failed part-way (``hf/recover.py``):
+        nothing it added for positions from ``tokens`` on, nor work it left for a later layer,
+        may stay; what it learned of earlier positions may. Default: nothing to forget."""
 
     def budget(self, cache, group: int | None = None) -> int:
         """Token budget of the sealed context this step: ``SelectConfig.tokens`` less the recent

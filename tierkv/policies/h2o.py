@@ -21,6 +21,7 @@ class H2O(Policy):
         super().__init__(layers, select, chunks, profile)
         self._acc: dict[int, torch.Tensor] = {}
         self._evicted: dict[int, torch.Tensor] = {}
+        self._marked: tuple[dict, dict] = ({}, {})  # both as the last forward pass began
 
     def state(self):
         return {**per_layer("acc", self._acc), **per_layer("evicted", self._evicted)}
@@ -28,11 +29,11 @@ class H2O(Policy):
     def load_state(self, arrays):
         self._acc, self._evicted = layers_of("acc", arrays), layers_of("evicted", arrays)
 
+    def mark(self):  # a pass replaces the tensors it grows, never writes the ones it found
+        self._marked = dict(self._acc), dict(self._evicted)
+
     def roll_back(self, cache, tokens):
-        for layer in self._acc:
-            self._acc[layer] = self._acc[layer][:, :tokens]
-        for layer in self._evicted:
-            self._evicted[layer] = self._evicted[layer][:, :tokens]
+        self._acc, self._evicted = (dict(kept) for kept in self._marked)
 
     def observe_prefill(self, cache, layer, mass):
         acc = self._grow(cache, self._acc.get(layer), mass.shape[1])

@@ -90,6 +90,7 @@ class OmniKV(Policy):
                                  f"{layers - 1}: the model has too few layers")
         self.filters = filters
         self._smoothed: dict[int, torch.Tensor] = {}
+        self._marked: dict[int, torch.Tensor] = {}  # ``_smoothed`` as the last pass began
         self._to_adapt: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
@@ -102,9 +103,12 @@ class OmniKV(Policy):
     def load_state(self, arrays):
         self._smoothed = layers_of("smoothed", arrays)
 
+    def mark(self):  # a step replaces each layer's running scores, never writes them
+        self._marked = dict(self._smoothed)
+
     def roll_back(self, cache, tokens):
         self._to_adapt.clear()  # a fold the failed pass's filter layer left for a later group
-        self._smoothed = {layer: scores[:tokens] for layer, scores in self._smoothed.items()}
+        self._smoothed = dict(self._marked)
 
     def record_tokens(self, group):
         if group[0] < self.filters[0] or self._full_after(group):
