@@ -36,6 +36,11 @@ def test_generate_settles_the_cache_first():
     assert model.generate(7) == 7 and settled == [cache]
     guard.remove()
     assert "generate" not in vars(model) and model.generate(8) == 8 and settled == [cache]
+    model.generate = mine = lambda ids: -ids  # the application's own: wrapped, then put back
+    guard = GenerateGuard(model, cache, settled.append)
+    assert model.generate(3) == -3 and settled == [cache, cache]
+    guard.remove()
+    assert model.generate is mine
 
 
 @pytest.mark.parametrize("keyword", ["cache", "past_key_values"])

@@ -182,6 +182,9 @@ class GenerateGuard:
     def __init__(self, model, cache, settle):
         self.model, self.prepare = model, getattr(model, "prepare_inputs_for_generation", None)
         self.wrapper = self.generate = None
+        # what the model's own attributes were (an application's wrapper), put back by remove()
+        self.own = {name: vars(model).get(name) for name in ("prepare_inputs_for_generation",
+                                                             "generate")}
         if self.prepare is None:  # a model without generate
             return
         generate = getattr(model, "generate", None)
@@ -209,8 +212,12 @@ class GenerateGuard:
     def remove(self) -> None:
         for name, wrapper in (("prepare_inputs_for_generation", self.wrapper),
                               ("generate", self.generate)):
-            if wrapper is not None and self.model.__dict__.get(name) is wrapper:
+            if wrapper is None or vars(self.model).get(name) is not wrapper:
+                continue  # not wrapped, or wrapped again since: left as it is
+            if self.own[name] is None:
                 delattr(self.model, name)
+            else:
+                setattr(self.model, name, self.own[name])
 
 
 def device_need(tag: str, per_token: int) -> str:
