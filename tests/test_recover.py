@@ -414,3 +414,79 @@ def test_a_step_that_reads_a_damaged_record_is_undone(tmp_path):
                 step(model, cache, ids(1, seed=4))
             after = held(cache)
             assert torch.equal(after[0], before[0]) and after[1] == before[1]
+
+
+def test_tierkv_s_step_state_is_undone_with_its_trees_held_still(tmp_path):
+    """``tierkv`` with chunks that never split or merge, on a device tier small enough that its
+    first layers preselect, fetching ahead (as on a GPU): its last queries, candidates and
+    announced fetches are undone with a failed step, so the step run again, and the next one,
+    give a never-failed cache's logits."""
+    from tierkv.config import ChunkConfig
+
+    chunks = ChunkConfig(min=8, base=8, desert_threshold=0.0)
+    model, other = tiny(layers=6), tiny(layers=6)
+    config = TierConfig(device_budget="500KB", host_budget="8MB")
+    with TieredCache(model, config, "tierkv", chunks=chunks) as cache, \
+            TieredCache(other, config, "tierkv", chunks=chunks) as plain, torch.no_grad():
+        cache.fetch_ahead = plain.fetch_ahead = True
+        for n in range(5):
+            step(model, cache, ids(300, seed=n))
+            step(other, plain, ids(300, seed=n))
+        assert cache.policy.preselects(cache, 0)
+        for n in range(12):
+            token = ids(1, seed=50 + n)
+            with Fail(model, cache, [3, 5, 6, 2][n % 4], "error in a layer"), \
+                    pytest.raises(RuntimeError):
+                step(model, cache, token)
+            torch.testing.assert_close(step(model, cache, token), step(other, plain, token),
+                                       rtol=1e-6, atol=1e-6)
+
+
+def test_a_call_refused_in_another_thread_leaves_the_pass_under_way_alone():
+    """While one thread's forward pass runs, another thread's is refused before it begins (and
+    torch still calls the model's forward hooks for it): the pass under way goes on untouched
+    and gives a never-failed cache's logits."""
+    import threading
+
+    with twins() as (model, cache, other, plain):
+        paused, go, out = threading.Event(), threading.Event(), {}
+
+        def wait(module, args):
+            paused.set()
+            go.wait(10)
+
+        hook = model.model.layers[3].register_forward_pre_hook(wait)
+
+        def run():
+            with torch.no_grad():
+                out["logits"] = step(model, cache, ids(1, seed=7))
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        assert paused.wait(10)
+        hook.remove()
+        with pytest.raises(RuntimeError, match="a forward pass in another thread is using it"):
+            step(model, cache, ids(1, seed=8))
+        go.set()
+        worker.join(10)
+        torch.testing.assert_close(out["logits"], step(other, plain, ids(1, seed=7)),
+                                   rtol=1e-6, atol=1e-6)
+        assert cache._failed is None and cache.get_seq_length() == 51
+
+
+def test_a_pass_whose_thread_ended_is_undone_by_the_next_thread_to_use_the_cache():
+    """A worker thread's pass stopped by what skips the model's hooks (a KeyboardInterrupt
+    raised by code), the thread gone: the next use from another thread undoes it and goes on."""
+    import threading
+
+    with twins() as (model, cache, other, plain):
+        def run():
+            with Fail(model, cache, 3, "interrupt outside the cache"), torch.no_grad():
+                with contextlib.suppress(KeyboardInterrupt):
+                    step(model, cache, ids(1, seed=7))
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        worker.join(10)
+        torch.testing.assert_close(step(model, cache, ids(1, seed=8)),
+                                   step(other, plain, ids(1, seed=8)), rtol=1e-6, atol=1e-6)

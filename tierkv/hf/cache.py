@@ -16,6 +16,7 @@ A forward pass that fails part-way is undone where none of its tokens was sealed
 from __future__ import annotations
 
 import contextlib
+import threading
 from pathlib import Path
 
 import torch
@@ -444,8 +445,8 @@ class TieredCache(GroupFetches, Cache):
         """Give the model back its own attention and release the tiers (idempotent)."""
         if self._model is None:
             return
-        if self._in_forward:  # a pass stopped by what skipped ``end_forward``
-            restore(self)
+        if self._in_forward and self._thread == threading.get_ident():  # a pass stopped by
+            restore(self)  # what skipped ``end_forward``
         self._held.release()
         uninstall(self)
         self.reader.shutdown(wait=True, cancel_futures=True)

@@ -101,18 +101,26 @@ def begin_forward(cache, args, kwargs) -> None:
 def check_whole(cache, doing: str = "go on") -> None:
     """RuntimeError when a forward pass through ``cache`` failed part-way (an error, a full
     disk, Ctrl-C) and could not be undone (``recover.roll_back``): some layers then hold the
-    pass's tokens and others not, and nothing it computes is right."""
-    if cache._failed is None and cache._in_forward and cache._thread == threading.get_ident():
-        restore(cache)  # stopped by an interrupt that skipped ``end_forward`` (not a held Ctrl-C)
+    pass's tokens and others not, and nothing it computes is right. A pass that something other
+    than an ``Exception`` stopped (it skipped ``end_forward``) is undone here first, in its own
+    thread or, when that thread has ended, in this one."""
+    mine = cache._thread == threading.get_ident()
+    if cache._failed is None and cache._in_forward and not mine and \
+            cache._thread not in {thread.ident for thread in threading.enumerate()}:
+        cache._before, cache._thread, mine = None, threading.get_ident(), True  # (its modes
+        # were its thread's)
+    if cache._failed is None and cache._in_forward and mine:
+        restore(cache)
         cache._held.release()
         roll_back(cache)
     if cache._failed is None and not cache._in_forward:
         return
-    if cache._failed is None and cache._thread != threading.get_ident():
+    if cache._failed is None:
         raise RuntimeError(f"this TieredCache cannot {doing}: a forward pass in another thread "
                            "is using it (a cache serves one forward pass at a time)")
-    restore(cache)  # (a pass stopped by what skipped ``end_forward`` left them)
-    cache._held.release()
+    if mine:
+        restore(cache)  # (a pass stopped by what skipped ``end_forward`` left them)
+        cache._held.release()
     raise RuntimeError(f"this TieredCache cannot {doing}: a forward pass failed part-way "
                        f"({cache._failed}), so its layers hold different lengths; close() it (a "
                        "saved document reopens as it was saved) and start again")
@@ -123,7 +131,10 @@ def end_forward(cache, out) -> None:
     hook as it handles it, with ``out`` None): the compute threads a decode step changed and
     autograd's mode put back (``recover.restore``); a pass that failed undone, one that ended
     done; a Ctrl-C held during the pass raised now (in place of the failed pass's exception, a
-    ``KeyboardInterrupt`` being the one this hook may raise)."""
+    ``KeyboardInterrupt`` being the one this hook may raise). Nothing for a call refused before
+    its pass began in another thread than the pass under way's (torch calls this hook then too)."""
+    if cache._thread != threading.get_ident():
+        return
     restore(cache)
     if out is None and cache._in_forward:
         raised = sys.exc_info()[1]  # (the exception torch is handling)

@@ -116,6 +116,15 @@ class TierKV(OmniKV):
         self._queries: dict[int, torch.Tensor] = {}  # layer -> its last decode query, CPU
         self._ahead: dict[int, tuple[int, torch.Tensor]] = {}  # layer -> (sealed, candidates)
         self._fetched: dict[int, torch.Tensor] = {}  # layer -> the candidates it fetched last
+        self._marked_own: tuple[dict, dict, dict] = ({}, {}, {})  # the three as a pass began
+
+    def mark(self):  # a step replaces each layer's entries, never writes them
+        super().mark()
+        self._marked_own = dict(self._queries), dict(self._ahead), dict(self._fetched)
+
+    def roll_back(self, cache, tokens):
+        super().roll_back(cache, tokens)
+        self._queries, self._ahead, self._fetched = (dict(kept) for kept in self._marked_own)
 
     def state(self):  # the last step's queries (fetch_ahead ranks by them) and candidates
         return {**super().state(), **per_layer("query", self._queries),
