@@ -1,6 +1,7 @@
 """A forward pass that fails part-way, and Ctrl-C during one, on tiny random Llamas: the cache is
-put back as it was before the pass where none of its tokens was sealed (``tierkv.hf.recover``)
-and goes on as a cache that never saw the pass; otherwise it refuses to go on."""
+put back as it was before the pass, what it sealed taken back out (``tierkv.hf.recover``), and
+goes on as a cache that never saw the pass; where it cannot be (a second Ctrl-C), it refuses to
+go on."""
 from __future__ import annotations
 
 import contextlib
@@ -12,6 +13,7 @@ import torch
 from tierkv import TierConfig, TieredCache
 from tierkv.hf.model import cache_kwargs
 from tierkv.policies import REGISTRY
+from tierkv.storage.base import TierFullError
 from tinyllama import ids, tiny
 
 TIERS = dict(device_budget="8MB", host_budget="8MB")
@@ -490,3 +492,26 @@ def test_a_pass_whose_thread_ended_is_undone_by_the_next_thread_to_use_the_cache
         worker.join(10)
         torch.testing.assert_close(step(model, cache, ids(1, seed=8)),
                                    step(other, plain, ids(1, seed=8)), rtol=1e-6, atol=1e-6)
+
+
+def test_a_disk_budget_reached_as_a_step_seals_undoes_the_step(tmp_path):
+    """A document reopened with a disk budget its directory just fits: the first step whose
+    seal needs the disk fails with TierFullError saying the pass was undone (before, it failed
+    part-way and the document's new tokens were lost); the cache saves elsewhere, whole."""
+    model = tiny(layers=6)
+    config = TierConfig(device_budget="8MB", host_budget="16KB", disk_dir=tmp_path / "a")
+    with TieredCache(model, config, "full") as cache, torch.no_grad():
+        step(model, cache, ids(300))
+        cache.save(tmp_path / "a")
+    used = sum(path.stat().st_size for path in (tmp_path / "a").glob("seg-*"))
+    config = TierConfig(device_budget="8MB", host_budget="16KB", disk_budget=used + 64)
+    with TieredCache.open(model, tmp_path / "a", config) as cache, torch.no_grad():
+        with pytest.raises(TierFullError, match="the forward pass is undone"):
+            for n in range(40):
+                step(model, cache, ids(1, seed=n))
+        assert {cache.layer_length(i) for i in range(6)} == {300 + n} == \
+            {cache.token_ids.shape[1]}
+        cache.save(tmp_path / "b")
+    with TieredCache.open(model, tmp_path / "b", TierConfig(**TIERS)) as reopened:
+        assert torch.equal(reopened.token_ids[0, :300], ids(300)[0])
+        assert reopened.get_seq_length() == 300 + n

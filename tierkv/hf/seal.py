@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..storage.base import KVBlock
+from ..storage.base import KVBlock, TierFullError
 from .prefill import prompt_ranks
 
 # Records of groups read whole every step rank above any step number: the host keeps them; the
@@ -35,10 +35,14 @@ def seal(cache, g: int) -> None:
         for key, (s, e), rank in zip(records, bounds, ranks):
             block = KVBlock(keys[:, :, s - start:e - start], values[:, :, s - start:e - start])
             cache.store.put(key, block, importance=rank)
-    except BaseException:
+    except BaseException as exc:
         with cache.changing():
             for key in index.truncate(mark):
                 cache.store.remove(key)
+        if isinstance(exc, TierFullError):  # the host full and the disk too (or none)
+            raise TierFullError(f"{exc}: sealing layer group {g}'s records; the forward pass is "
+                                "undone: save the cache elsewhere (save()), or reopen it with a "
+                                "larger host_budget or disk_budget (TierConfig)") from exc
         raise
     cache._sealed_in_pass.setdefault(g, mark)  # a failed pass is undone to before its first seal
     for i in layers:
