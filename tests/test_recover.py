@@ -515,3 +515,21 @@ def test_a_disk_budget_reached_as_a_step_seals_undoes_the_step(tmp_path):
     with TieredCache.open(model, tmp_path / "b", TierConfig(**TIERS)) as reopened:
         assert torch.equal(reopened.token_ids[0, :300], ids(300)[0])
         assert reopened.get_seq_length() == 300 + n
+
+
+def test_a_prompt_undone_leaves_the_records_of_groups_read_whole_pinned(tmp_path):
+    """A long prompt's seals can make a group read whole while short selective, unpinning its
+    records (the host then lets them go first); undone, the group's records are pinned again."""
+    from tierkv.hf.seal import PINNED
+
+    with twins(300, "tierkv", tmp_path, device_budget="200KB", host_budget="24KB") as \
+            (model, cache, other, plain):
+        def pinned(c):
+            return [sorted({c.store._ranks.importance(key) == PINNED for key in index.keys})
+                    for index in c.indexes]
+
+        before = pinned(cache)
+        assert [True] in before
+        with Fail(model, cache, 4, "ctrl-c"), pytest.raises(KeyboardInterrupt):
+            step(model, cache, ids(150, seed=5))
+        assert pinned(cache) == before == pinned(plain)
