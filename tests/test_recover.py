@@ -62,7 +62,8 @@ class Fail:
             self.undo = lambda: vars(cache).pop("_attend")
             cache._attend = attend
         else:  # before the layer, or after the last one (the model's final norm)
-            where = model.model.layers[layer] if layer < len(model.model.layers) else model.model.norm
+            layers = model.model.layers
+            where = layers[layer] if layer < len(layers) else model.model.norm
             self.undo = where.register_forward_pre_hook(self.hook).remove
 
     def hook(self, module, args):
@@ -234,24 +235,31 @@ def records_stored(cache):
     return stats["host_records"] + stats.get("disk_records", 0)
 
 
+def full_disk_at_third_put(monkeypatch, cache) -> list[int]:
+    """Make ``cache.store.put`` raise ENOSPC on its third call; the calls counted so far."""
+    real, calls = cache.store.put, [0]
+
+    def put(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cache.store, "put", put)
+    return calls
+
+
 @pytest.mark.parametrize("tokens", [1, 100])
 def test_a_store_that_fails_while_sealing_is_undone(monkeypatch, tokens):
     """A full disk as a decode step seals (or as a prompt, on a cache with no disk tier, seals
     its first layer group): the records it stored are removed, none is in the index, and the
-    pass is undone (what the groups before it sealed taken back out); with room again, the same pass gives a never-failed cache's logits."""
+    pass is undone (what the groups before it sealed taken back out); with room again, the same
+    pass gives a never-failed cache's logits."""
     with twins(40) as (model, cache, other, plain):
         for c, m in ((cache, model), (plain, other)):
             for n in range(7):
                 step(m, c, ids(1, seed=n))
-        real, calls = cache.store.put, [0]
-
-        def put(*args, **kwargs):
-            calls[0] += 1
-            if calls[0] == 3:
-                raise OSError(28, "No space left on device")
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(cache.store, "put", put)
+        real, calls = cache.store.put, full_disk_at_third_put(monkeypatch, cache)
         before, stored = held(cache), records_stored(cache)
         states = [index.state() for index in cache.indexes]
         token = ids(tokens, seed=50)  # the window's 32 + 8 tokens: a step seals 8 in each group
@@ -272,15 +280,8 @@ def test_a_prompt_whose_records_fail_to_store_is_undone(tmp_path, monkeypatch):
     names them before they are stored: a full disk then takes them back out of the index, and
     the prompt is undone."""
     with twins(50, "full", tmp_path) as (model, cache, other, plain):
-        real, calls = cache.store.put, [0]
-
-        def put(*args, **kwargs):
-            calls[0] += 1
-            if calls[0] == 3:
-                raise OSError(28, "No space left on device")
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(cache.store, "put", put)
+        real = cache.store.put
+        full_disk_at_third_put(monkeypatch, cache)
         before, states = held(cache), [index.state() for index in cache.indexes]
         with pytest.raises(OSError):
             step(model, cache, ids(100, seed=5))

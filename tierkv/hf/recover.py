@@ -8,16 +8,17 @@ group) is taken back out of its index and the store, to where its chunks ended b
 (read from the records: where those spilled to disk under a lossy codec, as the codec gives them
 back). The token ids, the windows, the chunk trees, the policy's state (``Policy.mark`` /
 ``roll_back``: ``h2o``'s accumulated attention and evictions, the selectors' running scores,
-``tierkv``'s last queries and candidates) and the pinned ranks of records are then as before
-the pass, and its fetches are let go; what a failed pass's attention taught the adaptive trees
-of ``leoam`` and ``tierkv`` (their folds) is kept, and records its stores spilled from the host
-to disk stay there (under a lossy codec, as the codec stored them). A failure while the cache was changing its indexes or trees (``changing``: a chunk
-tree's fold, a record rewrite), an interrupt raised inside the cache's own code, or one while
-undoing (a damaged record to read back) leaves a cache that refuses to go on
-(``hooks.check_whole``), as every failed pass did before. A pass is undone as its exception
-leaves the model (``hooks.end_forward``, which torch calls for an ``Exception``), or, for one
-that skips the model's forward hooks (a ``KeyboardInterrupt`` that was not held), at the
-cache's next use (a forward pass, ``save``, ``generate``).
+``tierkv``'s last queries and candidates) and the pinned ranks of records are then as before the
+pass, and its fetches are let go; what a failed pass's attention taught the adaptive trees of
+``leoam`` and ``tierkv`` (their folds) is kept, and records its stores spilled from the host to
+disk stay there (under a lossy codec, as the codec stored them). A failure while the cache was
+changing its indexes or trees (``changing``: a chunk tree's fold, a record rewrite), an
+interrupt raised inside the cache's own code, or one while undoing (a damaged record to read
+back) leaves a cache that refuses to go on (``hooks.check_whole``), as every failed pass did
+before. A pass is undone as its exception leaves the model (``hooks.end_forward``, which torch
+calls for an ``Exception``), or, for one that skips the model's forward hooks (a
+``KeyboardInterrupt`` that was not held), at the cache's next use (a forward pass, ``save``,
+``generate``).
 
 Ctrl-C during a pass (SIGINT in the main thread, under Python's own handler) is held
 (``HeldInterrupt``): a decode step ends first, so the cache holds its token, and the
