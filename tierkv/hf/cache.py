@@ -107,7 +107,7 @@ class TieredCache(GroupFetches, Cache):
     def __init__(self, model, config: TierConfig | None = None, policy: str = "tierkv", *,
                  select: SelectConfig | None = None, chunks: ChunkConfig | None = None,
                  doc: str | None = None, profile: dict | None = None, prefill_block: int = 512,
-                 _resume: bool = False):
+                 _resume: bool = False, _disk=None):
         check_args(model, config, select, chunks, prefill_block, doc)
         live = getattr(model, "_tierkv_cache", lambda: None)()
         if live is not None and live._model is not None:
@@ -132,7 +132,7 @@ class TieredCache(GroupFetches, Cache):
         self.leaf_tokens = [self.policy.leaf_tokens(group) for group in self.groups]
         auto = config.codec.codec == "auto" and config.disk_dir is not None
         controller = CompressionController.from_config(config.codec) if auto else None
-        self.store = KVStore(self.shape, config, controller)
+        self.store = KVStore(self.shape, config, controller, _disk)
         try:
             self.doc = claim_doc(self.store.disk, doc, _resume)
             self._new_doc = not _resume  # claimed unheld and absent: every record of it is ours

@@ -20,6 +20,7 @@ from ..shapes import KVShape, text_config
 from ..storage.base import RecordKey
 from ..storage.disk import DiskTier
 from ..storage.manifest import MANIFEST_ASIDE
+from ..storage.store import open_disk
 from .hooks import check_whole
 
 FORMAT_VERSION = 1
@@ -178,19 +179,23 @@ def _arrays(cache) -> dict[str, torch.Tensor]:
 def read_meta(path, doc: str | None = None) -> tuple[str, dict, dict]:
     """(doc, meta, arrays) of a saved document; the only one in ``path`` when ``doc`` is None."""
     with DiskTier(_saved_dir(path)) as disk:
-        docs, damage = _saved(disk), _damage(disk)
-        if doc is None:
-            if not docs:
-                raise ValueError(f"{path} holds no saved document"
-                                 + (damage or " (save one with cache.save)"))
-            if len(docs) > 1:
-                raise ValueError(f"{path} holds {len(docs)} saved documents ({', '.join(docs)}): "
-                                 "name one (doc=)")
-            doc = docs[0]
-        if doc not in docs:
-            raise ValueError(f"{path} has no saved document {doc!r} (it has: "
-                             f"{', '.join(docs) or 'none'}){damage}")
-        meta, arrays = disk.doc_meta(doc)
+        return _read_meta(disk, path, doc)
+
+
+def _read_meta(disk: DiskTier, path, doc: str | None) -> tuple[str, dict, dict]:
+    docs, damage = _saved(disk), _damage(disk)
+    if doc is None:
+        if not docs:
+            raise ValueError(f"{path} holds no saved document"
+                             + (damage or " (save one with cache.save)"))
+        if len(docs) > 1:
+            raise ValueError(f"{path} holds {len(docs)} saved documents ({', '.join(docs)}): "
+                             "name one (doc=)")
+        doc = docs[0]
+    if doc not in docs:
+        raise ValueError(f"{path} has no saved document {doc!r} (it has: "
+                         f"{', '.join(docs) or 'none'}){damage}")
+    meta, arrays = disk.doc_meta(doc)
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"{path}: saved with format {meta.get('format')}, this tierkv reads {FORMAT_VERSION}")
     return doc, meta, arrays
@@ -245,20 +250,26 @@ def open_cache(cls, model, path, config: TierConfig | None = None, policy: str |
     alike). A document saved before profiles were saved takes the model's shipped one."""
     if config is not None and not isinstance(config, TierConfig):
         raise ValueError(f"config={type(config).__name__}: expected a TierConfig (or None)")
-    doc, meta, arrays = read_meta(path, doc)
-    saved, here = meta["model"], model_identity(model)
-    differ = differing(saved, here)
-    if differ:
-        diff = ", ".join(f"{k}: saved {saved[k]!r} vs {here[k]!r}" for k in differ)
-        raise ValueError(f"{path} was saved with another model ({diff})")
-    config = config or TierConfig(disk_dir=path)
-    if config.disk_dir is None or Path(config.disk_dir).resolve() != Path(path).resolve():
-        config = dataclasses.replace(config, disk_dir=Path(path))
-    select = select or _config(SelectConfig, meta["select"])
-    profile = meta.get("profile") if profile is None else profile
-    cache = cls(model, config, policy or meta["policy"], select=select,
-                chunks=_config(ChunkConfig, meta["chunks"]), doc=doc, profile=profile,
-                _resume=True)
+    where = _saved_dir(path)
+    config = config or TierConfig(disk_dir=where)
+    if config.disk_dir is None or Path(config.disk_dir).resolve() != where.resolve():
+        config = dataclasses.replace(config, disk_dir=where)
+    disk = open_disk(config)  # opened once: for the document's metadata, then the cache's tier
+    try:
+        doc, meta, arrays = _read_meta(disk, path, doc)
+        saved, here = meta["model"], model_identity(model)
+        differ = differing(saved, here)
+        if differ:
+            diff = ", ".join(f"{k}: saved {saved[k]!r} vs {here[k]!r}" for k in differ)
+            raise ValueError(f"{path} was saved with another model ({diff})")
+        select = select or _config(SelectConfig, meta["select"])
+        profile = meta.get("profile") if profile is None else profile
+        cache = cls(model, config, policy or meta["policy"], select=select,
+                    chunks=_config(ChunkConfig, meta["chunks"]), doc=doc, profile=profile,
+                    _resume=True, _disk=disk)
+    except BaseException:
+        disk.close()
+        raise
     try:
         _check_unchanged(cache, meta, arrays)
         _check_disk_budget(cache.store.disk, path)

@@ -55,9 +55,11 @@ class DiskTier(Tier):
         which the next read does.
 
     ``open_report`` says what opening found: records, segments, bytes dropped and why. Opening
-    reads only the record headers when the manifest lists exactly the records they describe
-    (the common case: a directory closed cleanly); otherwise it reads and crc-checks every record.
-    Every read checks its record's crc either way.
+    takes the records of a segment unchanged since the manifest was written (its size and
+    modification time) from the manifest's listing, reading nothing of it (``listed`` counts
+    those segments: all of them in a directory closed cleanly), and reads only the record
+    headers of the others; when the manifest does not list exactly the records found that way,
+    it reads and crc-checks every record. Every read checks its record's crc either way.
     """
 
     name = "disk"
@@ -94,6 +96,8 @@ class DiskTier(Tier):
         self._generation = -1
         self.open_report = self._open()
         self._open_generation = self._files.generation
+        # a manifest that did not list every segment is written again at close, with a listing
+        self._unlisted = self._files.listed < len(self._files.index.segments)
 
     def _open(self) -> dict:
         with self._files.lock.exclusive():
@@ -101,7 +105,7 @@ class DiskTier(Tier):
                 refuse_newer_manifest(self._files.dir_fd)
             except CorruptRecordError:
                 pass  # a symlink: DocMeta.load reports it and sets it aside
-            self._files.refresh(headers_only=True)
+            self._files.refresh(headers_only=True, listing=self._meta.listing())
             manifest = self._meta.load()
             if self._files.unverified and not self._meta.vouches:
                 self._files.verify()  # headers alone are trusted only as far as the manifest agrees
@@ -113,7 +117,7 @@ class DiskTier(Tier):
         return {"records": len(self._sizes), "segments": len(files.index.segments),
                 "dropped": list(files.problems), "truncated": dict(files.truncated), "kept": dict(files.kept),
                 "foreign": dict(files.foreign), "refused": dict(files.refused),
-                "manifest": manifest,
+                "manifest": manifest, "listed": files.listed,
                 "checked": "headers (the manifest agrees)" if files.unverified else "every record"}
 
     def _sync_accounting(self) -> None:
@@ -395,9 +399,10 @@ class DiskTier(Tier):
 
     def _changed(self) -> bool:
         """Whether closing has anything to make durable: this tier wrote, metadata changed,
-        the index changed under us, or the manifest did not match the records at open."""
+        the index changed under us, the manifest did not match the records at open, or it did
+        not list every segment (written before listings, or a segment changed since)."""
         return bool(self._files.bytes_written or self._meta.dirty or not self._meta.vouches
-                    or self._files.generation != self._open_generation)
+                    or self._files.generation != self._open_generation or self._unlisted)
 
     @property
     def bytes_written(self) -> int:

@@ -14,6 +14,7 @@ import torch
 
 from .manifest import INDEX_FIELDS, MANIFEST, MANIFEST_ASIDE, MANIFEST_TMP, \
     CorruptManifestError, check_array_name, check_index, encode_manifest, read_manifest, write_atomic
+from .segtable import Listing, list_segments
 
 
 def _saveable(doc: str, name: str, tensor) -> torch.Tensor:
@@ -44,6 +45,7 @@ class DocMeta:
         self._arrays: dict[str, dict[str, torch.Tensor]] = {}
         self._dirty: set[str] = set()
         self.vouches = False  # the last load found a manifest listing exactly the live records
+        self._peeked = None  # what ``listing`` read, for the ``load`` after it
 
     @property
     def dirty(self) -> bool:
@@ -90,6 +92,17 @@ class DocMeta:
         self._dirty.add(doc)
 
     # -- the manifest (callers hold the directory lock) ------------------------------------
+    def listing(self) -> Listing | None:
+        """The manifest's listing of the segments' records (None: it has none, or none can be
+        read); the manifest read is kept for the ``load`` that follows."""
+        try:
+            manifest = self._read()
+        except CorruptManifestError as exc:
+            self._peeked = exc
+            return None
+        self._peeked = manifest
+        return None if manifest is None else manifest.listing
+
     def load(self) -> str:
         """Take in the manifest's documents; a description of what was found.
 
@@ -102,27 +115,28 @@ class DocMeta:
                 os.unlink(MANIFEST_TMP, dir_fd=self._files.dir_fd)
             except FileNotFoundError:
                 pass
+        peeked, self._peeked = self._peeked, None
         try:
-            manifest = self._read()
+            if isinstance(peeked, CorruptManifestError):
+                raise peeked
+            manifest = self._read() if peeked is None else peeked
         except CorruptManifestError as exc:
             if self._files.read_only:
                 return f"corrupt: {exc}; left in place (read-only), records are intact"
             return f"corrupt: {exc}; moved aside to {self._set_aside()}, records are intact"
         if manifest is None:
             return "missing"
-        index, docs, entries, arrays = manifest
-        self._adopt(entries, arrays)
-        stale = self._stale_rows(index, docs)
-        self.vouches = not stale and len(index["seq"]) == len(self._files.index.live)
+        self._adopt(manifest.meta, manifest.arrays)
+        stale = self._stale_rows(manifest.index, manifest.docs)
+        self.vouches = not stale and len(manifest.index["seq"]) == len(self._files.index.live)
         return "ok" if not stale else f"ok; {stale} index rows stale (the records win)"
 
     def _read(self):
         manifest = read_manifest(self._files.dir_fd)
         if manifest is None:
             return None
-        index, docs, entries, arrays = manifest
-        check_index(index, docs)
-        for doc, entry in entries.items():
+        check_index(manifest.index, manifest.docs)
+        for doc, entry in manifest.meta.items():
             if not (isinstance(entry, dict) and isinstance(entry.get("seq"), int)
                     and isinstance(entry.get("meta"), dict)):
                 raise CorruptManifestError(f"manifest metadata of {doc!r} is malformed")
@@ -136,7 +150,7 @@ class DocMeta:
         except CorruptManifestError:
             return
         if on_disk is not None:
-            self._merge(on_disk[2], on_disk[3])
+            self._merge(on_disk.meta, on_disk.arrays)
 
     def _merge(self, entries: dict, arrays: dict) -> None:
         """The manifest's ``entries`` for the documents this tier did not change: one it does
@@ -185,7 +199,7 @@ class DocMeta:
         except CorruptManifestError:
             on_disk = None
         if on_disk is not None:
-            self._merge(on_disk[2], on_disk[3])
+            self._merge(on_disk.meta, on_disk.arrays)
         live = self._files.index.live
         docs = sorted(set(self._entries) | {k.doc for k in live})
         slot = {d: i for i, d in enumerate(docs)}
@@ -197,5 +211,6 @@ class DocMeta:
                                                   slot[key.doc])):
                 index[name].append(value)
         write_atomic(self._files.dir_fd, MANIFEST,
-                     encode_manifest(index, docs, self._entries, self._arrays))
+                     encode_manifest(index, docs, self._entries, self._arrays,
+                                     list_segments(self._files)))
         self._dirty.clear()

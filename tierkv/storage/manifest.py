@@ -1,8 +1,10 @@
 """``manifest.safetensors``: per-document metadata, named tensors and an index snapshot.
 
 The records in the segments are the truth; the manifest caches what records cannot hold
-(document metadata and arrays such as chunk summaries) and a snapshot of the index that ``open``
-cross-checks. It is written with safetensors (no pickle), carries a crc32 over its metadata and
+(document metadata and arrays such as chunk summaries), a snapshot of the index that ``open``
+cross-checks, and a listing of every segment's records that a clean directory opens from
+(``segtable``; builds before it ignore the listing, which the crc32 covers like the rest). It
+is written with safetensors (no pickle), carries a crc32 over its metadata and
 tensor bytes, and is replaced atomically: temp file, fsync, rename, fsync of the directory.
 
 The crc32's rule (``_crc``: the metadata but the crc, then each tensor) is part of the format
@@ -21,12 +23,14 @@ import re
 import stat
 import struct
 import zlib
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from .base import CorruptRecordError, NewerFormatError, StorageError
+from .segtable import DOCS_KEY, Listing
 
 MANIFEST = "manifest.safetensors"
 MANIFEST_TMP = MANIFEST + ".tmp"
@@ -52,9 +56,23 @@ def check_array_name(name: str) -> str:
     return name
 
 
+class Manifest(NamedTuple):
+    """A decoded manifest: the index columns (INDEX_FIELDS, one int per live record), the
+    document names the ``doc`` column indexes, each document's metadata and arrays, and the
+    listing of the segments' records (``segtable``; None when the manifest holds none)."""
+
+    index: dict[str, list[int]]
+    docs: list[str]
+    meta: dict[str, dict]
+    arrays: dict[str, dict[str, torch.Tensor]]
+    listing: Listing | None = None
+
+
 def encode_manifest(index: dict[str, list[int]], docs: list[str], meta: dict[str, dict],
-                    arrays: dict[str, dict[str, torch.Tensor]]) -> bytes:
-    """The bytes of a manifest. ``index`` maps each of INDEX_FIELDS to one int per record."""
+                    arrays: dict[str, dict[str, torch.Tensor]],
+                    listing: tuple[dict[str, torch.Tensor], list[str]] | None = None) -> bytes:
+    """The bytes of a manifest. ``index`` maps each of INDEX_FIELDS to one int per record;
+    ``listing``: ``segtable.list_segments``'s tensors and document names."""
     tensors = {f"index.{f}": torch.tensor(index[f], dtype=torch.int64) for f in INDEX_FIELDS}
     for i, doc in enumerate(docs):
         for name, tensor in arrays.get(doc, {}).items():
@@ -62,6 +80,9 @@ def encode_manifest(index: dict[str, list[int]], docs: list[str], meta: dict[str
     info = {"format": FORMAT, "version": VERSION, "docs": json.dumps(docs),
             "meta": json.dumps({d: meta[d] for d in docs if d in meta}),
             "arrays": json.dumps({d: sorted(arrays[d]) for d in docs if arrays.get(d)})}
+    if listing is not None:
+        tensors.update(listing[0])
+        info[DOCS_KEY] = json.dumps(listing[1])
     info["crc"] = str(_crc(info, tensors))
     return st_save(tensors, metadata=info)
 
@@ -76,8 +97,8 @@ def _crc(info: dict[str, str], tensors: dict[str, torch.Tensor]) -> int:
     return crc
 
 
-def decode_manifest(data: bytes):
-    """(index columns, docs, meta, arrays) from manifest bytes; CorruptManifestError if bad."""
+def decode_manifest(data: bytes) -> Manifest:
+    """The Manifest in ``data``; CorruptManifestError if bad."""
     if len(data) < 8 or struct.unpack_from("<Q", data)[0] > len(data) - 8:
         raise CorruptManifestError("manifest header length is absurd or the file is truncated")
     try:
@@ -123,7 +144,7 @@ def _unpack(info, tensors):
             raise CorruptManifestError(f"manifest array {exc} missing") from None
     if any(d not in docs or not isinstance(m, dict) for d, m in meta.items()):
         raise CorruptManifestError("manifest metadata of an unknown document")
-    return index, docs, meta, arrays
+    return Manifest(index, docs, meta, arrays, Listing.decode(tensors, info))
 
 
 def check_index(index: dict[str, list[int]], docs: list[str]) -> None:
@@ -197,7 +218,7 @@ def refuse_newer_manifest(dir_fd: int) -> None:
         decode_manifest(data)  # NewerFormatError when the crc32 holds
 
 
-def read_manifest(dir_fd: int):
+def read_manifest(dir_fd: int) -> Manifest | None:
     """The decoded manifest of a directory, or None when there is none."""
     fd = _open_manifest(dir_fd)
     if fd is None:

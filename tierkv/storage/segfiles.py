@@ -16,6 +16,7 @@ from .base import CorruptRecordError, NewerFormatError, StorageError
 from .diskindex import DiskIndex, SegmentInfo
 from .locking import DirLock
 from .manifest import DiskWriteError
+from .segtable import Listing
 from .segment import HEADER, MAGIC, MAX_SEGMENT, PAD_ALIGN, SEGMENT_RE, VERSION, Scanned, \
     check_crc, newer_version, parse_header, scan_headers, scan_segment, segment_name
 
@@ -58,26 +59,39 @@ class SegmentDir:
         self._unusable: set[int] = set()  # foreign or refused: never read, written or reused
         self._sealed: set[int] = set()
         self.unverified: set[int] = set()  # segments taken in from headers alone (see refresh)
+        self.listed = 0  # segments taken in from the manifest's listing, unread (see refresh)
         self._writer: tuple[int, int] | None = None
 
     # -- scanning -----------------------------------------------------------------------
-    def refresh(self, headers_only: bool = False) -> bool:
+    def refresh(self, headers_only: bool = False, listing: Listing | None = None) -> bool:
         """Take in segments and tails written since the last refresh; True if any changed.
 
         ``headers_only``: take in whole segments from their record headers without reading the
         payloads (``unverified`` names them) -- for an open whose manifest vouches for them;
-        ``verify()`` rescans them if it does not.
+        ``verify()`` rescans them if it does not. ``listing``: the manifest's listing of the
+        records (``segtable``); a segment it lists as the file is now is taken in from it,
+        without a read (``listed`` counts them), as unverified as its headers would be.
         """
         with self.lock.exclusive():
-            sizes = self._list()
-            gone = set(self.index.segments) - set(sizes)
+            stats = self._list()
+            gone = set(self.index.segments) - set(stats)
             if gone:
                 self.index = self.index.without(gone)
             changed = bool(gone)
-            for number in sorted(set(sizes) - self._unusable):
-                info = self.index.segments.get(number)
-                if info is None or info.size != sizes[number]:
+            for number in sorted(set(stats) - self._unusable):
+                info, (size, mtime) = self.index.segments.get(number), stats[number]
+                if info is not None and info.size == size:
+                    continue
+                found = None if info is not None or listing is None or not headers_only \
+                    else listing.records(number, size, mtime)
+                if found is None:
                     changed |= self._scan_tail(number, headers_only)
+                    continue
+                self._take_in(number, found, [])
+                self.index.segments[number].size = size
+                self.unverified.add(number)
+                self.listed += 1
+                changed = True
             self.generation += changed
             return changed
 
@@ -86,12 +100,14 @@ class SegmentDir:
         with self.lock.exclusive():
             self.index, self.problems = DiskIndex(), []
             self.unverified.clear()
+            self.listed = 0
             self.refresh()
             self.generation += 1
 
-    def _list(self) -> dict[int, int]:
-        """Size of every regular segment file, by number (symlinks and the like are refused)."""
-        sizes = {}
+    def _list(self) -> dict[int, tuple[int, int]]:
+        """Size and modification time (ns) of every regular segment file, by number (symlinks
+        and the like are refused)."""
+        stats = {}
         with os.scandir(self.dir_fd) as entries:
             for entry in entries:
                 match = SEGMENT_RE.match(entry.name)
@@ -102,8 +118,8 @@ class SegmentDir:
                     self.refused[entry.name] = "symlink or not a regular file: not read"
                     self._unusable.add(int(match.group(1)))
                     continue
-                sizes[int(match.group(1))] = st.st_size
-        return sizes
+                stats[int(match.group(1))] = (st.st_size, st.st_mtime_ns)
+        return stats
 
     def _scan_tail(self, number: int, headers_only: bool = False) -> bool:
         info = self.index.segments.get(number)

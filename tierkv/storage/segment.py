@@ -66,6 +66,7 @@ class RecordHeader:
     doc: str
     crc: int
     pad: int = 0
+    version: int = VERSION  # the record format version it was written in
 
     @property
     def length(self) -> int:
@@ -139,7 +140,8 @@ def parse_header(buf) -> RecordHeader:
     if stored_len > MAX_STORED or raw_len > MAX_STORED:
         raise CorruptRecordError(f"record lengths {raw_len}/{stored_len} absurd")
     header = RecordHeader(kind, codec, dtype, layers, kv_heads, head_dim, group, start, end,
-                          raw_len, stored_len, seq, _decode_doc(doc[:doc_len]), crc, pad)
+                          raw_len, stored_len, seq, _decode_doc(doc[:doc_len]), crc, pad,
+                          version)
     _check_fields(header)
     return header
 

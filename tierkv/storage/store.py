@@ -18,6 +18,7 @@ import math
 import numbers
 import threading
 from collections import deque
+from pathlib import Path
 from typing import Mapping
 
 import torch
@@ -43,23 +44,27 @@ class KVStore:
         a ``tierkv.pipeline.CompressionController`` (anything with ``candidates`` and
         ``choose_for(block, cold) -> codec name or None``), whose candidates must lie within
         ``config.codec.candidates``. A Pipeline over this store feeds it its measurements.
+    disk : the disk tier of ``config.disk_dir`` already opened (``open_disk(config)``: opening
+        one directory twice reads its manifest twice), which the store then owns.
 
     Attributes ``device``, ``host`` and ``disk`` are the tiers (``disk`` is None without
     ``config.disk_dir``). ``put`` never touches ``device``: the fetch pipeline manages it.
     """
 
-    def __init__(self, shape: KVShape, config: TierConfig, controller=None):
+    def __init__(self, shape: KVShape, config: TierConfig, controller=None,
+                 disk: DiskTier | None = None):
         if not isinstance(shape, KVShape) or not isinstance(config, TierConfig):
             raise ValueError("KVStore(shape, config): expected a KVShape and a TierConfig")
+        if disk is not None and (config.disk_dir is None
+                                 or disk.path.resolve() != Path(config.disk_dir).resolve()):
+            raise ValueError(f"disk={disk.path}: not config.disk_dir ({config.disk_dir})")
         self.shape, self.config = shape, config
         self.controller = _check_controller(controller, config)
         self.device = DeviceTier(config.device_budget, config.torch_device)
         # Page-locked host memory only speeds copies to a GPU; with the device tier in CPU memory
         # it would only take RAM that cannot be swapped.
         self.host = HostTier(config.host_budget, pin=self.device.device.type == "cuda")
-        self.disk = None if config.disk_dir is None else DiskTier(
-            config.disk_dir, codec=config.codec, segment_size=config.segment_size,
-            io_threads=config.io_threads, budget=config.disk_budget, direct_io=config.direct_io)
+        self.disk = open_disk(config) if disk is None else disk
         if self.disk is not None:
             self._check_stored()
         self._ranks = Ranking()
@@ -394,6 +399,13 @@ class KVStore:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def open_disk(config: TierConfig) -> DiskTier | None:
+    """The disk tier ``config`` describes, opened (None without ``config.disk_dir``)."""
+    return None if config.disk_dir is None else DiskTier(
+        config.disk_dir, codec=config.codec, segment_size=config.segment_size,
+        io_threads=config.io_threads, budget=config.disk_budget, direct_io=config.direct_io)
 
 
 def _importance(value) -> float:
