@@ -292,6 +292,14 @@ def test_attention_with_mass_is_both_in_one_pass(heads, kv_heads, t, n, dtype):
     causal = torch.arange(n).unsqueeze(0) <= torch.arange(n - t, n).unsqueeze(1)
     probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
     assert torch.allclose(peak.double(), probs.amax(dim=(0, 1)), atol=1e-5 if dtype == torch.float32 else 2e-2)
+    # held a block of queries at a time, down to one query: the same figures
+    per_query = 4 * (heads // kv_heads) * n
+    for block_bytes in (per_query, 5 * per_query - 1):
+        blocked, blocked_last, blocked_peak = attention_with_mass(
+            q, k, v, 0.25, peak=True, queries=5, block_bytes=block_bytes)
+        assert torch.allclose(blocked.float(), out.float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
+        assert torch.allclose(blocked_last, last, atol=1e-6)
+        assert torch.allclose(blocked_peak, peak, atol=1e-6)
 
 
 def test_degenerate_shapes_refused_by_name():

@@ -212,8 +212,8 @@ class ChunkConfig:
 SELECTORS = ("last", "uniform", "exp")
 FETCH_UNITS = ("record", "leaf")
 MAX_BUDGET_TOKENS = 1 << 40  # far past any context, and within torch's int64 arithmetic
-# A question's probabilities are held a kv head at a time (``attention.attention_with_mass``):
-# ``group * question_tokens * context`` fp32, 100 MB for SmolLM2 at 256 tokens over 32K.
+# A question's probabilities are held a kv head and a block of its queries at a time
+# (``attention.attention_with_mass``): at most 64 MB of fp32 scores whatever the context.
 MAX_QUESTION_TOKENS = 256
 
 
