@@ -32,20 +32,22 @@ FORK = multiprocessing.get_context("fork")
 # -- corruption campaign ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
-    """Bytes of every file of a small directory, and where each record is."""
+    """Bytes of every file of a small directory, where each record is, and each segment's
+    modification time (ns), which the manifest's listing of the segments names."""
     path = tmp_path_factory.mktemp("pristine")
     with DiskTier(path, segment_size=32768) as tier:
         for i, key in enumerate(KEYS):
             tier.put(key, block_for(key), codec="raw" if i % 2 else "zstd")
         tier.set_doc_meta("doc", *META)
     files = {p.name: p.read_bytes() for p in path.iterdir() if p.name != "tierkv.lock"}
+    times = {p.name: p.stat().st_mtime_ns for p in path.glob("seg-*")}
     records = []
     for name in sorted(n for n in files if n.startswith("seg-")):
         fd = os.open(path / name, os.O_RDONLY)
         found, _, _ = scan_segment(fd, 0, len(files[name]))
         os.close(fd)
         records += [(name, r.offset, r.header.length) for r in found]
-    return files, records
+    return files, records, times
 
 
 def _flip(data: bytearray, lo: int, hi: int, rng) -> None:
@@ -95,16 +97,31 @@ def _mutation(kind: str, files, records, rng, trial: int = 0):
     return lambda p: edit(p, swap_records)
 
 
-def _trial(path, files, mutate, while_open: bool) -> tuple[bool, int]:
-    """Apply one corruption; return (reported as corruption, wrong tensors returned)."""
+def _trial(path, files, mutate, while_open: bool, times: dict | None = None):
+    """Apply one corruption; return (reported as corruption, wrong tensors returned, segments
+    the opening took from the manifest's listing).
+
+    ``times``: the segments' modification times to keep, damage included (in place, as a
+    write that kept the time would leave it), so an opening takes each segment of the size the
+    listing names from the listing, unread."""
     path.mkdir()
     for fname, data in files.items():
         (path / fname).write_bytes(data)
-    if not while_open:
+
+    def keep_times():
+        for name, ns in (times or {}).items():
+            if (path / name).exists():
+                os.utime(path / name, ns=(ns, ns))
+
+    def damage(path):
         mutate(path)
+        keep_times()
+    keep_times()
+    if not while_open:
+        damage(path)
     tier = DiskTier(path, io_threads=1)
     if while_open:
-        mutate(path)
+        damage(path)
     report = tier.open_report
     detected = bool(report["dropped"] or report["truncated"] or report["foreign"]
                     or report["manifest"] != "ok")
@@ -121,7 +138,7 @@ def _trial(path, files, mutate, while_open: bool) -> tuple[bool, int]:
         detected = True
     tier.close()
     shutil.rmtree(path)
-    return detected, wrong
+    return detected, wrong, report["listed"]
 
 
 # (kind, trials); None: one trial per byte of the manifest. safetensors writes the manifest's
@@ -132,28 +149,53 @@ CAMPAIGN = [("header_flip", 220), ("payload_flip", 220), ("manifest_flip", None)
             ("truncate", 150), ("zero_page", 150), ("swap_payloads", 60), ("swap_records", 60)]
 
 
-@pytest.mark.slow
-def test_seeded_corruptions_are_all_detected(pristine, tmp_path):
-    files, records = pristine
+def _campaign(pristine, tmp_path, kinds, keep_times: bool = False) -> dict:
+    """The CAMPAIGN's trials of ``kinds``: per kind, trials, detected, wrong tensors, and the
+    trials that opened with segments taken from the manifest's listing."""
+    files, records, times = pristine
     rng = random.Random(1234)
     figures, trial = {}, 0
-    for kind, count in CAMPAIGN:
+    for kind, count in [(kind, count) for kind, count in CAMPAIGN if kind in kinds]:
         count = len(files["manifest.safetensors"]) if count is None else count
-        detected = wrong = 0
+        detected = wrong = listed = 0
         for i in range(count):
             while_open = kind == "swap_records" or (kind in ("header_flip", "payload_flip",
                                                              "zero_page") and i % 2)
             mutate = _mutation(kind, files, records, rng, i)
-            ok, bad = _trial(tmp_path / f"t{trial}", files, mutate, while_open)
+            ok, bad, segments = _trial(tmp_path / f"t{trial}", files, mutate, while_open,
+                                       times if keep_times else None)
             detected, wrong, trial = detected + ok, wrong + bad, trial + 1
-        figures[kind] = {"trials": count, "detected": detected, "wrong_tensors": wrong}
+            listed += segments > 0
+        figures[kind] = {"trials": count, "detected": detected, "wrong_tensors": wrong,
+                         "opened_from_listing": listed}
+    return figures
+
+
+@pytest.mark.slow
+def test_seeded_corruptions_are_all_detected(pristine, tmp_path):
+    figures = _campaign(pristine, tmp_path, [kind for kind, _ in CAMPAIGN])
     print("\ncorruption campaign:", json.dumps(figures))
-    assert trial >= 2500 and figures["manifest_flip"]["trials"] > 1000
+    assert sum(f["trials"] for f in figures.values()) >= 2500
+    assert figures["manifest_flip"]["trials"] > 1000
     assert all(f["detected"] == f["trials"] and f["wrong_tensors"] == 0 for f in figures.values())
 
 
+@pytest.mark.slow
+def test_damage_in_place_that_keeps_the_times_is_found_when_read(pristine, tmp_path):
+    """The campaign's damage to the segments with their modification times kept, so openings
+    take the segments from the manifest's listing without reading them: what a header scan
+    found at open is found when its record is read (crc32), and no wrong tensor is returned."""
+    kinds = ["header_flip", "payload_flip", "truncate", "zero_page", "swap_payloads",
+             "swap_records"]
+    figures = _campaign(pristine, tmp_path, kinds, keep_times=True)
+    print("\ncorruption campaign, times kept:", json.dumps(figures))
+    assert all(f["detected"] == f["trials"] and f["wrong_tensors"] == 0 for f in figures.values())
+    for kind in ("header_flip", "payload_flip", "zero_page", "swap_payloads", "swap_records"):
+        assert figures[kind]["opened_from_listing"] == figures[kind]["trials"], kind
+
+
 def test_swapped_records_read_back_after_reopen(pristine, tmp_path):
-    files, records = pristine
+    files, records, _ = pristine
     mutate = _mutation("swap_records", files, records, random.Random(7))
     tmp_path.joinpath("d").mkdir()
     for fname, data in files.items():

@@ -69,6 +69,50 @@ def test_an_empty_segment_is_listed(tmp_path, make_block):
             assert report["listed"] == report["segments"] - 1 + opening
 
 
+def test_a_segment_with_damage_inside_is_not_listed_and_not_asked_for_again(tmp_path,
+                                                                            make_block):
+    """Records that do not run end to end (damage skipped in the middle of a segment) are
+    never listed; the first writable close writes the manifest again, later ones do not."""
+    keys = [_key(start=16 * i, end=16 * i + 16) for i in range(4)]
+    with DiskTier(tmp_path) as tier:
+        for key in keys:
+            tier.put(key, make_block(key))
+        loc = tier._files.index.live[keys[1]]
+    segment = tmp_path / f"seg-{loc.segment:06d}.tkv"
+    data = bytearray(segment.read_bytes())
+    data[loc.offset + 10] ^= 0xFF  # a header field: that record is dropped, the rest kept
+    segment.write_bytes(bytes(data))
+    written = []
+    for _ in range(3):
+        before = (tmp_path / MANIFEST).stat().st_ino
+        with DiskTier(tmp_path) as tier:
+            assert tier.open_report["dropped"] and tier.open_report["listed"] == 0
+            assert len(tier) == 3
+        written.append((tmp_path / MANIFEST).stat().st_ino != before)  # replaced by a rename
+    assert written == [True, False, False]
+
+
+def test_a_flush_syncs_every_segment_the_manifest_then_vouches_for(tmp_path, make_block,
+                                                                   monkeypatch):
+    """Segments filled before the one being written are fsynced too: the manifest written
+    after the sync lists them, and a later opening takes them from it unread."""
+    synced, real = [], os.fsync
+
+    def spy(fd):
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        return real(fd)
+    tier = DiskTier(tmp_path, segment_size=4096)
+    for i in range(6):
+        tier.put(_key(start=16 * i, end=16 * i + 16), make_block(_key(start=16 * i, end=16 * i + 16)))
+    monkeypatch.setattr(os, "fsync", spy)
+    tier.flush()
+    segments = sorted(p.name for p in tmp_path.glob("seg-*.tkv"))
+    assert len(segments) > 2 and set(segments) <= set(synced)
+    synced.clear()
+    tier.close()  # nothing appended since: no segment synced again
+    assert not [name for name in synced if name.startswith("seg-")]
+
+
 def test_the_listing_is_used_only_for_segments_unchanged_since(tmp_path, make_block,
                                                                 blocks_equal):
     """A segment whose time changed is read (its headers); one a record was appended to since

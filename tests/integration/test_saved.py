@@ -257,13 +257,13 @@ def test_open_refuses_a_document_saved_over_while_it_opened(model_and_tok, tmp_p
 
     model, tok = model_and_tok
     ids, _ = saved_document(model, tok, tmp_path)
-    read = persist.read_meta
+    read = persist._read_meta
 
-    def stale(path, doc=None):
-        doc, meta, arrays = read(path, doc)
+    def stale(disk, path, doc=None):
+        doc, meta, arrays = read(disk, path, doc)
         return doc, meta, {**arrays, "token_ids": arrays["token_ids"].flip(0)}
 
-    monkeypatch.setattr(persist, "read_meta", stale)
+    monkeypatch.setattr(persist, "_read_meta", stale)
     with pytest.raises(ValueError, match="changed while it was being opened"):
         TieredCache.open(model, tmp_path)
     monkeypatch.undo()

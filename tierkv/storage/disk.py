@@ -28,6 +28,7 @@ from .locking import DocHold
 from .manifest import refuse_newer_manifest
 from .native import crc32
 from .segfiles import SegmentDir
+from .segtable import listable
 from .segment import HEADER, KIND_DATA, KIND_DOC_TOMBSTONE, KIND_KEY_TOMBSTONE, PAD_ALIGN, \
     pack_record, payload_pad, segment_name
 
@@ -57,8 +58,8 @@ class DiskTier(Tier):
     ``open_report`` says what opening found: records, segments, bytes dropped and why. Opening
     takes the records of a segment unchanged since the manifest was written (its size and
     modification time) from the manifest's listing, reading nothing of it (``listed`` counts
-    those segments: all of them in a directory closed cleanly), and reads only the record
-    headers of the others; when the manifest does not list exactly the records found that way,
+    those segments: all of them in a directory closed cleanly, but for one holding damage),
+    and reads only the record headers of the others; when the manifest does not list exactly the records found that way,
     it reads and crc-checks every record. Every read checks its record's crc either way.
     """
 
@@ -96,8 +97,9 @@ class DiskTier(Tier):
         self._generation = -1
         self.open_report = self._open()
         self._open_generation = self._files.generation
-        # a manifest that did not list every segment is written again at close, with a listing
-        self._unlisted = self._files.listed < len(self._files.index.segments)
+        # a manifest that did not list a segment it could list is written again at close
+        self._unlisted = any(n not in self._files.listed and listable(info)
+                             for n, info in self._files.index.segments.items())
 
     def _open(self) -> dict:
         with self._files.lock.exclusive():
@@ -117,7 +119,7 @@ class DiskTier(Tier):
         return {"records": len(self._sizes), "segments": len(files.index.segments),
                 "dropped": list(files.problems), "truncated": dict(files.truncated), "kept": dict(files.kept),
                 "foreign": dict(files.foreign), "refused": dict(files.refused),
-                "manifest": manifest, "listed": files.listed,
+                "manifest": manifest, "listed": len(files.listed),
                 "checked": "headers (the manifest agrees)" if files.unverified else "every record"}
 
     def _sync_accounting(self) -> None:

@@ -59,8 +59,9 @@ class SegmentDir:
         self._unusable: set[int] = set()  # foreign or refused: never read, written or reused
         self._sealed: set[int] = set()
         self.unverified: set[int] = set()  # segments taken in from headers alone (see refresh)
-        self.listed = 0  # segments taken in from the manifest's listing, unread (see refresh)
+        self.listed: set[int] = set()  # segments taken in from the manifest's listing, unread
         self._writer: tuple[int, int] | None = None
+        self._unsynced: set[int] = set()  # segments appended to since the last ``sync``
 
     # -- scanning -----------------------------------------------------------------------
     def refresh(self, headers_only: bool = False, listing: Listing | None = None) -> bool:
@@ -70,7 +71,7 @@ class SegmentDir:
         payloads (``unverified`` names them) -- for an open whose manifest vouches for them;
         ``verify()`` rescans them if it does not. ``listing``: the manifest's listing of the
         records (``segtable``); a segment it lists as the file is now is taken in from it,
-        without a read (``listed`` counts them), as unverified as its headers would be.
+        without a read (``listed`` names them), as unverified as its headers would be.
         """
         with self.lock.exclusive():
             stats = self._list()
@@ -90,7 +91,7 @@ class SegmentDir:
                 self._take_in(number, found, [])
                 self.index.segments[number].size = size
                 self.unverified.add(number)
-                self.listed += 1
+                self.listed.add(number)
                 changed = True
             self.generation += changed
             return changed
@@ -100,7 +101,7 @@ class SegmentDir:
         with self.lock.exclusive():
             self.index, self.problems = DiskIndex(), []
             self.unverified.clear()
-            self.listed = 0
+            self.listed.clear()
             self.refresh()
             self.generation += 1
 
@@ -181,6 +182,7 @@ class SegmentDir:
             os.ftruncate(fd, valid_end)
         finally:
             os.close(fd)
+        self._unsynced.add(number)
         self.truncated[name] = self.truncated.get(name, 0) + size - valid_end
 
     def _refuse_newer(self, number: int, offset: int) -> None:
@@ -279,6 +281,7 @@ class SegmentDir:
                                      f"failed: {exc}") from exc
             self.index.segments[number].size = offset + size
             self.bytes_written += size
+            self._unsynced.add(number)
             record = Scanned(parse_header(parts[0][:HEADER.size]), offset)
             return (number, record) + self.index.add(number, record, moved)
 
@@ -310,15 +313,28 @@ class SegmentDir:
             self._sealed.add(number)
 
     def sync(self) -> None:
-        """fsync the active segment and the directory (DiskWriteError on failure)."""
+        """fsync every segment appended to or cut since the last sync (the active one, and
+        those filled before it: the manifest written after a sync vouches for them all) and the
+        directory (DiskWriteError on failure)."""
         self._check_writable()
         with self.lock.exclusive():
             try:
-                if self._writer is not None:
-                    os.fsync(self._writer[1])
+                for number in sorted(self._unsynced):
+                    if self._writer is not None and self._writer[0] == number:
+                        os.fsync(self._writer[1])
+                        continue
+                    try:
+                        fd = self.open_read(number)
+                    except FileNotFoundError:  # compacted away since
+                        continue
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
                 os.fsync(self.dir_fd)
             except OSError as exc:
                 raise DiskWriteError(f"fsync of {self.path} failed: {exc}") from exc
+            self._unsynced.clear()
 
     # -- reclaiming ---------------------------------------------------------------------
     def reclaim(self, max_dead: float = 0.5) -> tuple[int, int]:

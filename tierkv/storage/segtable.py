@@ -45,8 +45,7 @@ def list_segments(files) -> tuple[dict[str, torch.Tensor], list[str]]:
             st = os.stat(segment_name(number), dir_fd=files.dir_fd, follow_symlinks=False)
         except OSError:
             continue
-        ends = [r.offset for r in info.records[1:]] + [info.size]
-        if st.st_size != info.size or not _end_to_end(info.records, ends):
+        if st.st_size != info.size or not listable(info):
             continue
         segments.append((number, info.size, st.st_mtime_ns, len(info.records)))
         for record in info.records:
@@ -63,13 +62,15 @@ def list_segments(files) -> tuple[dict[str, torch.Tensor], list[str]]:
     return tensors, list(docs)
 
 
-def _end_to_end(records, ends) -> bool:
+def listable(info) -> bool:
+    """Whether a segment's records (``SegmentInfo``) run end to end from 0 to its size: one
+    with bytes skipped as damage, or a tail left in place read-only, is never listed."""
     start = 0
-    for record, end in zip(records, ends):
-        if record.offset != start or start + record.header.length != end:
+    for record in info.records:
+        if record.offset != start:
             return False
-        start = end
-    return True
+        start += record.header.length
+    return start == info.size
 
 
 def _columns(rows: list[tuple], width: int) -> list[torch.Tensor]:
