@@ -151,7 +151,7 @@ CAMPAIGN = [("header_flip", 220), ("payload_flip", 220), ("manifest_flip", None)
 
 def _campaign(pristine, tmp_path, kinds, keep_times: bool = False) -> dict:
     """The CAMPAIGN's trials of ``kinds``: per kind, trials, detected, wrong tensors, and the
-    trials that opened with segments taken from the manifest's listing."""
+    trials whose opening took every segment from the manifest's listing."""
     files, records, times = pristine
     rng = random.Random(1234)
     figures, trial = {}, 0
@@ -165,7 +165,7 @@ def _campaign(pristine, tmp_path, kinds, keep_times: bool = False) -> dict:
             ok, bad, segments = _trial(tmp_path / f"t{trial}", files, mutate, while_open,
                                        times if keep_times else None)
             detected, wrong, trial = detected + ok, wrong + bad, trial + 1
-            listed += segments > 0
+            listed += segments == len(times)  # every segment, the damaged one among them
         figures[kind] = {"trials": count, "detected": detected, "wrong_tensors": wrong,
                          "opened_from_listing": listed}
     return figures

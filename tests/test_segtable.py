@@ -92,25 +92,71 @@ def test_a_segment_with_damage_inside_is_not_listed_and_not_asked_for_again(tmp_
     assert written == [True, False, False]
 
 
-def test_a_flush_syncs_every_segment_the_manifest_then_vouches_for(tmp_path, make_block,
-                                                                   monkeypatch):
-    """Segments filled before the one being written are fsynced too: the manifest written
-    after the sync lists them, and a later opening takes them from it unread."""
+def _fsyncs(monkeypatch) -> list[str]:
+    """The names of the files ``os.fsync`` is called on from now on."""
     synced, real = [], os.fsync
 
     def spy(fd):
         synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
         return real(fd)
-    tier = DiskTier(tmp_path, segment_size=4096)
-    for i in range(6):
-        tier.put(_key(start=16 * i, end=16 * i + 16), make_block(_key(start=16 * i, end=16 * i + 16)))
     monkeypatch.setattr(os, "fsync", spy)
+    return synced
+
+
+def _segments(path) -> list[str]:
+    return sorted(p.name for p in path.glob("seg-*.tkv"))
+
+
+def test_a_flush_syncs_every_segment_the_manifest_then_lists(tmp_path, make_block,
+                                                             monkeypatch):
+    """Segments filled before the one being written, those another process appended to and
+    one whose torn tail an opening cut are fsynced before the manifest lists them."""
+    keys = [_key(start=16 * i, end=16 * i + 16) for i in range(12)]
+    tier = DiskTier(tmp_path, segment_size=4096)
+    for key in keys[:6]:
+        tier.put(key, make_block(key))
+    synced = _fsyncs(monkeypatch)
     tier.flush()
-    segments = sorted(p.name for p in tmp_path.glob("seg-*.tkv"))
-    assert len(segments) > 2 and set(segments) <= set(synced)
+    assert len(_segments(tmp_path)) > 2 and set(_segments(tmp_path)) <= set(synced)
     synced.clear()
     tier.close()  # nothing appended since: no segment synced again
     assert not [name for name in synced if name.startswith("seg-")]
+
+    other = DiskTier(tmp_path, segment_size=4096)  # another process's appends, not flushed
+    for key in keys[6:]:
+        other.put(key, make_block(key))
+    theirs = set(_segments(tmp_path)) - set(synced)
+    synced.clear()
+    with DiskTier(tmp_path, segment_size=1 << 20) as tier:
+        tier.put(_key("mine"), make_block(_key("mine")))
+    assert theirs - {_segments(tmp_path)[-1]} <= set(synced)
+    other.close()
+
+    last = tmp_path / _segments(tmp_path)[-1]
+    with open(last, "ab") as f:
+        f.write(b"TKVR\x02")  # an append torn by a crash
+    synced.clear()
+    with DiskTier(tmp_path) as tier:
+        assert tier.open_report["truncated"] == {last.name: 5}
+    assert last.name in synced
+
+
+def test_compaction_syncs_the_segments_it_copied_to_not_those_it_deletes(tmp_path, make_block,
+                                                                       monkeypatch):
+    keys = [_key(start=16 * i, end=16 * i + 16) for i in range(12)]
+    with DiskTier(tmp_path, segment_size=16384) as tier:  # three records a segment
+        for key in keys:
+            tier.put(key, make_block(key))
+        for key in keys[1:3] + keys[4:6] + keys[7:9]:
+            tier.remove(key)
+        before = set(_segments(tmp_path))
+        synced = _fsyncs(monkeypatch)
+        deleted, compacted = tier.reclaim(0.5)
+        gone = before - set(_segments(tmp_path))
+        assert compacted >= 2 and len(gone) == deleted + compacted
+        assert not gone & set(synced)
+        assert set(_segments(tmp_path)) - before <= set(synced)  # the copies' segments
+        assert set(tier.keys()) == set(keys[::3]) | set(keys[10:])
 
 
 def test_the_listing_is_used_only_for_segments_unchanged_since(tmp_path, make_block,

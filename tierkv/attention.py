@@ -89,10 +89,11 @@ def attention_with_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scali
     same probabilities, ``recent_query_mass`` of all of them: one pass over the keys where the
     two took two. One kv head and one block of queries at a time: at most ``block_bytes`` of
     fp32 scores (``group * block * n``; the whole question at once for SmolLM2 up to 256 queries
-    over 21K keys; a 256-token question over 128K keys of a model with 4 query heads a kv head
-    would hold 537 MB at once). SmolLM2's shapes over 7.6K keys on the 2-core CPU
-    (2026-11-29): 5.5 against 9.7 ms for 18 queries, 10.5 against 16.0 for 32 (outputs within
-    2e-7, masses equal).
+    over 21K keys), twice that as the softmax makes the probabilities beside them. A 256-token
+    question over 128K keys, 4 query heads on 1 kv head (peak RSS growth, 2026-11-29): 154 MB,
+    where one block of all the queries took 1,068 MB. SmolLM2's shapes over 7.6K keys on the
+    2-core CPU (2026-11-29): 5.5 against 9.7 ms for 18 queries, 10.5 against 16.0 for 32
+    (outputs within 2e-7, masses equal).
 
     q : Tensor, shape (q_heads, t, head_dim); k, v : Tensor, shape (kv_heads, n >= t, head_dim).
     Returns out, shape (q_heads, t, head_dim), and the mass (of the last ``queries`` queries
@@ -116,6 +117,7 @@ def attention_with_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scali
             if peak:
                 torch.maximum(top[:stop], probs.amax(dim=(0, 1, 2)), out=top[:stop])
             out[heads_of, b0:b1] = _weighted(probs, v[h:h + 1, :stop]).reshape(-1, b1 - b0, dim)
+            del probs  # before the next kv head's are made
     return (out, mass, top) if peak else (out, mass)
 
 
@@ -161,7 +163,7 @@ def _probs(q: torch.Tensor, k: torch.Tensor, scaling: float, allowed=None, bias=
     if bias is not None:
         scores = scores + bias
     if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        scores.masked_fill_(~allowed, float("-inf"))  # its own tensor: no second copy
     return torch.softmax(scores, dim=-1)
 
 

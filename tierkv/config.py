@@ -213,7 +213,8 @@ SELECTORS = ("last", "uniform", "exp")
 FETCH_UNITS = ("record", "leaf")
 MAX_BUDGET_TOKENS = 1 << 40  # far past any context, and within torch's int64 arithmetic
 # A question's probabilities are held a kv head and a block of its queries at a time
-# (``attention.attention_with_mass``): at most 64 MB of fp32 scores whatever the context.
+# (``attention.attention_with_mass``): at most 64 MB of fp32 scores whatever the context (twice
+# that at the softmax).
 MAX_QUESTION_TOKENS = 256
 
 

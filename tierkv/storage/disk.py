@@ -59,8 +59,9 @@ class DiskTier(Tier):
     takes the records of a segment unchanged since the manifest was written (its size and
     modification time) from the manifest's listing, reading nothing of it (``listed`` counts
     those segments: all of them in a directory closed cleanly, but for one holding damage),
-    and reads only the record headers of the others; when the manifest does not list exactly the records found that way,
-    it reads and crc-checks every record. Every read checks its record's crc either way.
+    and reads only the record headers of the others; when the manifest does not list exactly
+    the records found that way, it reads and crc-checks every record. Every read checks its
+    record's crc either way.
     """
 
     name = "disk"

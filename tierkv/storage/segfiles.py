@@ -61,7 +61,7 @@ class SegmentDir:
         self.unverified: set[int] = set()  # segments taken in from headers alone (see refresh)
         self.listed: set[int] = set()  # segments taken in from the manifest's listing, unread
         self._writer: tuple[int, int] | None = None
-        self._unsynced: set[int] = set()  # segments appended to since the last ``sync``
+        self._unsynced: set[int] = set()  # segments changed since the last ``sync`` (see there)
 
     # -- scanning -----------------------------------------------------------------------
     def refresh(self, headers_only: bool = False, listing: Listing | None = None) -> bool:
@@ -146,6 +146,8 @@ class SegmentDir:
         finally:
             os.close(fd)
         self._take_in(number, found, problems)
+        if found and not self.read_only:  # another process's appends this one's manifest lists
+            self._unsynced.add(number)
         self.index.segments[number].size = valid_end
         if valid_end < size:
             self._cut_tail(number, valid_end, size)
@@ -312,14 +314,15 @@ class SegmentDir:
         except OSError:  # the garbage stays at this file's tail: write on in a fresh segment
             self._sealed.add(number)
 
-    def sync(self) -> None:
-        """fsync every segment appended to or cut since the last sync (the active one, and
-        those filled before it: the manifest written after a sync vouches for them all) and the
-        directory (DiskWriteError on failure)."""
+    def sync(self, segments: set[int] | None = None) -> None:
+        """fsync every segment appended to, cut or taken in from another process's appends
+        since the last sync (the manifest written after a sync lists them all), or only
+        ``segments``, and the directory (DiskWriteError on failure)."""
         self._check_writable()
         with self.lock.exclusive():
+            numbers = sorted(self._unsynced if segments is None else segments)
             try:
-                for number in sorted(self._unsynced):
+                for number in numbers:
                     if self._writer is not None and self._writer[0] == number:
                         os.fsync(self._writer[1])
                         continue
@@ -334,7 +337,7 @@ class SegmentDir:
                 os.fsync(self.dir_fd)
             except OSError as exc:
                 raise DiskWriteError(f"fsync of {self.path} failed: {exc}") from exc
-            self._unsynced.clear()
+            self._unsynced.difference_update(numbers)
 
     # -- reclaiming ---------------------------------------------------------------------
     def reclaim(self, max_dead: float = 0.5) -> tuple[int, int]:
@@ -355,15 +358,18 @@ class SegmentDir:
                     continue
                 if number == max(self.index.segments):
                     self._create(number + 1)
-                if not all([self._copy(number, record) for record in live]):
+                copies = [self._copy(number, record) for record in live]
+                if None in copies:
                     continue  # a live record is corrupt: keep its file as evidence
                 if live:
-                    self.sync()
+                    self.sync(set(copies))  # not the segments this loop may delete next
                 self._delete(number)
                 deleted, compacted = deleted + (not live), compacted + bool(live)
         return deleted, compacted
 
-    def _copy(self, number: int, record: Scanned) -> bool:
+    def _copy(self, number: int, record: Scanned) -> int | None:
+        """Append ``record`` of segment ``number`` again, as it is; the segment it went to, or
+        None when it fails its crc."""
         fd = self.open_read(number)
         try:
             data = os.pread(fd, record.header.length, record.offset)
@@ -372,9 +378,8 @@ class SegmentDir:
         try:
             check_crc(record.header, data)
         except CorruptRecordError:
-            return False
-        self.append(lambda seq, offset: (data,), moved=True)  # as it is: its pad stays valid
-        return True
+            return None
+        return self.append(lambda seq, offset: (data,), moved=True)[0]  # its pad stays valid
 
     def _delete(self, number: int) -> None:
         if self._writer is not None and self._writer[0] == number:
@@ -385,6 +390,7 @@ class SegmentDir:
         except OSError as exc:
             raise DiskWriteError(f"deleting {segment_name(number)} failed: {exc}") from exc
         self.index = self.index.without({number})
+        self._unsynced.discard(number)
         self.generation += 1
 
     def _close_writer(self) -> None:
