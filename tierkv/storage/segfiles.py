@@ -74,7 +74,7 @@ class SegmentDir:
         without a read (``listed`` names them), as unverified as its headers would be.
         """
         with self.lock.exclusive():
-            stats = self._list()
+            stats = self.stat_segments()
             gone = set(self.index.segments) - set(stats)
             if gone:
                 self.index = self.index.without(gone)
@@ -105,7 +105,7 @@ class SegmentDir:
             self.refresh()
             self.generation += 1
 
-    def _list(self) -> dict[int, tuple[int, int]]:
+    def stat_segments(self) -> dict[int, tuple[int, int]]:
         """Size and modification time (ns) of every regular segment file, by number (symlinks
         and the like are refused)."""
         stats = {}

@@ -18,13 +18,12 @@ when its record is read, as a damaged payload is.
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 
 from .base import RecordKey
 from .segment import DTYPES_BY_CODE, HEADER, KIND_DATA, KIND_KEY_TOMBSTONE, MAX_SEGMENT, \
-    MAX_STORED, PAD_ALIGN, VERSION, RecordHeader, Scanned, segment_name
+    MAX_STORED, PAD_ALIGN, VERSION, RecordHeader, Scanned
 
 SEGMENT_COLUMNS = ("number", "size", "mtime", "count")
 # RecordHeader's fields in order, "doc" an index into the listing's document names
@@ -40,14 +39,11 @@ def list_segments(files) -> tuple[dict[str, torch.Tensor], list[str]]:
     its index describes it (the size, records end to end from 0): tensors named ``PREFIX +``
     a column, and the document names the ``doc`` column indexes."""
     segments, records, offsets, docs = [], [], [], {}
+    stats = files.stat_segments()
     for number, info in sorted(files.index.segments.items()):
-        try:
-            st = os.stat(segment_name(number), dir_fd=files.dir_fd, follow_symlinks=False)
-        except OSError:
+        if number not in stats or stats[number][0] != info.size or not listable(info):
             continue
-        if st.st_size != info.size or not listable(info):
-            continue
-        segments.append((number, info.size, st.st_mtime_ns, len(info.records)))
+        segments.append((number, info.size, stats[number][1], len(info.records)))
         for record in info.records:
             h = record.header
             offsets.append(record.offset)
