@@ -62,6 +62,7 @@ class SegmentDir:
         self.listed: set[int] = set()  # segments taken in from the manifest's listing, unread
         self._writer: tuple[int, int] | None = None
         self._unsynced: set[int] = set()  # segments changed since the last ``sync`` (see there)
+        self._doubtful: set[int] = set()  # segments an fsync failed on (``sync`` rewrites them)
 
     # -- scanning -----------------------------------------------------------------------
     def refresh(self, headers_only: bool = False, listing: Listing | None = None) -> bool:
@@ -317,27 +318,73 @@ class SegmentDir:
     def sync(self, segments: set[int] | None = None) -> None:
         """fsync every segment appended to, cut or taken in from another process's appends
         since the last sync (the manifest written after a sync lists them all), or only
-        ``segments``, and the directory (DiskWriteError on failure)."""
+        ``segments``, and the directory (DiskWriteError on failure).
+
+        After a failed fsync the kernel may have dropped the pages it could not write and
+        report the next fsync of the file a success (Linux does): a segment an fsync failed
+        on is not fsynced again but rewritten. The next sync copies its live records, read
+        back and checked against their crc32, to a fresh segment, fsyncs that one and deletes
+        the doubtful file; a record whose bytes no longer pass is lost (DiskWriteError names
+        it, once; its file stays, and reading the record raises CorruptRecordError).
+        """
         self._check_writable()
         with self.lock.exclusive():
-            numbers = sorted(self._unsynced if segments is None else segments)
+            wanted = set(self._unsynced if segments is None else segments)
+            rescued, targets, lost = self._rescue(wanted & self._doubtful)
+            numbers = sorted((wanted - rescued) | targets)
+            failed = None
             try:
-                for number in numbers:
-                    if self._writer is not None and self._writer[0] == number:
+                for failed in numbers:
+                    if self._writer is not None and self._writer[0] == failed:
                         os.fsync(self._writer[1])
                         continue
                     try:
-                        fd = self.open_read(number)
+                        fd = self.open_read(failed)
                     except FileNotFoundError:  # compacted away since
                         continue
                     try:
                         os.fsync(fd)
                     finally:
                         os.close(fd)
+                failed = None
                 os.fsync(self.dir_fd)
             except OSError as exc:
+                self._doubtful.update(numbers if failed is None else [failed])
                 raise DiskWriteError(f"fsync of {self.path} failed: {exc}") from exc
             self._unsynced.difference_update(numbers)
+            for number in rescued:
+                self._doubtful.discard(number)
+                self._unsynced.discard(number)
+                if number not in lost:
+                    self._delete(number)
+            if lost:
+                names = "; ".join(f"{segment_name(n)}: {', '.join(map(str, keys))}"
+                                  for n, keys in sorted(lost.items()))
+                raise DiskWriteError(f"an earlier fsync of {self.path} failed and these records "
+                                     f"did not survive it (the rest were rewritten): {names}")
+
+    def _rescue(self, doubtful: set[int]) -> tuple[set[int], set[int], dict[int, list]]:
+        """Copy the live records of the ``doubtful`` segments (sealed first: appends go on in
+        a fresh segment) to the active one: (the segments, those the copies went to,
+        {segment: keys of its records that failed their crc})."""
+        rescued = {n for n in doubtful if n in self.index.segments}
+        self._doubtful -= doubtful - rescued  # deleted since
+        if not rescued:
+            return rescued, set(), {}
+        self._sealed |= rescued
+        top = max(set(self.index.segments) | self._unusable)
+        if top in rescued:  # the highest segment is never deleted (names are never reused)
+            self._create(top + 1)
+        targets, lost = set(), {}
+        for number in sorted(rescued):
+            info = self.index.segments[number]
+            for record in [r for r in info.records if self.index.is_live(number, r)]:
+                target = self._copy(number, record)
+                if target is None:
+                    lost.setdefault(number, []).append(record.header.key)
+                else:
+                    targets.add(target)
+        return rescued, targets, lost
 
     # -- reclaiming ---------------------------------------------------------------------
     def reclaim(self, max_dead: float = 0.5) -> tuple[int, int]:
