@@ -122,10 +122,12 @@ def test_a_flush_syncs_every_segment_the_manifest_then_lists(tmp_path, make_bloc
     tier.close()  # nothing appended since: no segment synced again
     assert not [name for name in synced if name.startswith("seg-")]
 
+    before = {p.name: p.stat().st_size for p in tmp_path.glob("seg-*.tkv")}
     other = DiskTier(tmp_path, segment_size=4096)  # another process's appends, not flushed
     for key in keys[6:]:
         other.put(key, make_block(key))
-    theirs = set(_segments(tmp_path)) - set(synced)
+    theirs = {p.name for p in tmp_path.glob("seg-*.tkv") if p.stat().st_size != before.get(p.name)}
+    assert theirs and set(before) - theirs  # segments it appended to, and others it did not
     synced.clear()
     with DiskTier(tmp_path, segment_size=1 << 20) as tier:
         tier.put(_key("mine"), make_block(_key("mine")))
@@ -163,7 +165,8 @@ def test_the_listing_is_used_only_for_segments_unchanged_since(tmp_path, make_bl
                                                                 blocks_equal):
     """A segment whose time changed is read (its headers); one a record was appended to since
     the manifest was written makes the manifest disagree with the records: then every record
-    is read and crc-checked, as without a listing."""
+    of the segments it does not list as they are is read and crc-checked (a writer that died
+    after appending changed only those)."""
     want = _fill(tmp_path, make_block)
     touched = sorted(tmp_path.glob("seg-*.tkv"))[1]
     os.utime(touched, ns=(touched.stat().st_atime_ns, touched.stat().st_mtime_ns + 1))
@@ -175,10 +178,38 @@ def test_the_listing_is_used_only_for_segments_unchanged_since(tmp_path, make_bl
     extra = _key("d0", 0, 10_000, 10_016)
     writer.put(extra, make_block(extra))  # appended after the manifest was written
     with DiskTier(tmp_path) as tier:
-        assert tier.open_report["listed"] == 0 and tier.open_report["checked"] == "every record"
+        report = tier.open_report
+        assert report["listed"] == report["segments"] - 1  # all but the one appended to
+        assert report["checked"].startswith("every record but") and report["manifest"] == "ok"
         assert blocks_equal(tier.get(extra), make_block(extra))
         assert all(blocks_equal(tier.get(k), b) for k, b in want.items())
     writer.close()
+
+
+def test_after_a_writer_died_only_the_segments_it_changed_are_read_in_full(tmp_path,
+                                                                          make_block,
+                                                                          blocks_equal):
+    """A writer that died after appending a new copy of a record whose payload never reached
+    the disk (zeros where it should be): the opening reads that segment in full and drops the
+    copy, so the older copy stays live, and takes the others from the listing."""
+    want = _fill(tmp_path, make_block)
+    victim = next(iter(want))
+    writer = DiskTier(tmp_path, segment_size=1 << 20)
+    other = make_block(_key("x", 0, 0, victim.end - victim.start))
+    writer.put(victim, other)
+    loc = writer._files.index.live[victim]
+    with open(tmp_path / f"seg-{loc.segment:06d}.tkv", "r+b") as f:
+        f.seek(loc.offset + loc.header.payload_at)
+        f.write(bytes(loc.length - loc.header.payload_at))
+    with DiskTier(tmp_path) as tier:
+        report = tier.open_report
+        assert report["listed"] == report["segments"] - 1
+        assert report["dropped"] and report["checked"].startswith("every record but")
+        assert all(blocks_equal(tier.get(k), b) for k, b in want.items())
+    with DiskTier(tmp_path) as tier:  # the manifest written at close lists them all again
+        assert tier.open_report["listed"] == tier.open_report["segments"]
+        assert all(blocks_equal(tier.get(k), b) for k, b in want.items())
+    writer._files.close()  # died: no manifest of its own
 
 
 def test_a_header_damaged_in_place_is_found_when_its_record_is_read(tmp_path, make_block,

@@ -109,3 +109,31 @@ def test_records_lost_after_a_failed_fsync_are_named_once(tmp_path, make_block, 
         with pytest.raises(CorruptRecordError):
             reopened.get(lost_key)
         assert all(blocks_equal(reopened.get(k), make_block(k)) for k in keys if k != lost_key)
+
+
+def test_another_writers_appends_to_a_doubtful_segment_are_rewritten_too(tmp_path, make_block,
+                                                                        blocks_equal,
+                                                                        monkeypatch):
+    """Two writers share the directory (as two processes do): the records the other one
+    appended to the segment after this one's fsync of it failed are copied with it."""
+    keys = _keys(4)
+    mine = DiskTier(tmp_path, segment_size=1 << 20)
+    for key in keys[:2]:
+        mine.put(key, make_block(key))
+    (segment,) = _segments(tmp_path)
+    monkeypatch.setattr(os, "fsync", _Fsync(segment, tmp_path.name))
+    with pytest.raises(DiskWriteError):
+        mine.flush()
+    theirs = DiskTier(tmp_path, segment_size=1 << 20)
+    for key in keys[2:]:
+        theirs.put(key, make_block(key))
+    assert _segments(tmp_path) == [segment]  # they appended to the doubtful segment
+
+    mine.flush()
+    assert segment not in _segments(tmp_path)
+    for tier in (mine, theirs):
+        assert all(blocks_equal(tier.get(key), make_block(key)) for key in keys)
+    theirs.close()
+    mine.close()
+    with DiskTier(tmp_path) as reopened:
+        assert all(blocks_equal(reopened.get(key), make_block(key)) for key in keys)

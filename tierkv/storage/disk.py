@@ -60,8 +60,8 @@ class DiskTier(Tier):
     modification time) from the manifest's listing, reading nothing of it (``listed`` counts
     those segments: all of them in a directory closed cleanly, but for one holding damage),
     and reads only the record headers of the others; when the manifest does not list exactly
-    the records found that way, it reads and crc-checks every record. Every read checks its
-    record's crc either way.
+    the records found that way (a writer died after appending), it reads and crc-checks every
+    record of those others. Every read checks its record's crc either way.
     """
 
     name = "disk"
@@ -108,10 +108,15 @@ class DiskTier(Tier):
                 refuse_newer_manifest(self._files.dir_fd)
             except CorruptRecordError:
                 pass  # a symlink: DocMeta.load reports it and sets it aside
-            self._files.refresh(headers_only=True, listing=self._meta.listing())
+            listing = self._meta.listing()
+            self._files.refresh(headers_only=True, listing=listing)
             manifest = self._meta.load()
+            checked = "headers (the manifest agrees)"
             if self._files.unverified and not self._meta.vouches:
-                self._files.verify()  # headers alone are trusted only as far as the manifest agrees
+                checked = "every record but those of the segments the manifest lists as they are"
+                # headers alone are trusted only as far as the manifest agrees; the segments it
+                # lists as they are now (a writer that died after appending changed only others)
+                self._files.verify(listing)
                 if manifest.startswith("ok"):  # adopted against the unverified index: again
                     self._meta = DocMeta(self._files)
                     manifest = self._meta.load()
@@ -121,7 +126,7 @@ class DiskTier(Tier):
                 "dropped": list(files.problems), "truncated": dict(files.truncated), "kept": dict(files.kept),
                 "foreign": dict(files.foreign), "refused": dict(files.refused),
                 "manifest": manifest, "listed": len(files.listed),
-                "checked": "headers (the manifest agrees)" if files.unverified else "every record"}
+                "checked": checked if files.unverified else "every record"}
 
     def _sync_accounting(self) -> None:
         """Re-derive sizes from the index after it changed under us (refresh, compaction)."""

@@ -72,7 +72,8 @@ class SegmentDir:
         payloads (``unverified`` names them) -- for an open whose manifest vouches for them;
         ``verify()`` rescans them if it does not. ``listing``: the manifest's listing of the
         records (``segtable``); a segment it lists as the file is now is taken in from it,
-        without a read (``listed`` names them), as unverified as its headers would be.
+        without a read (``listed`` names them), as unverified as its headers would be: the
+        manifest was written after the segment was fsynced, and the segment is unchanged since.
         """
         with self.lock.exclusive():
             stats = self.stat_segments()
@@ -84,7 +85,7 @@ class SegmentDir:
                 info, (size, mtime) = self.index.segments.get(number), stats[number]
                 if info is not None and info.size == size:
                     continue
-                found = None if info is not None or listing is None or not headers_only \
+                found = None if info is not None or listing is None \
                     else listing.records(number, size, mtime)
                 if found is None:
                     changed |= self._scan_tail(number, headers_only)
@@ -97,13 +98,14 @@ class SegmentDir:
             self.generation += changed
             return changed
 
-    def verify(self) -> None:
-        """Rebuild the index by scanning every segment in full (payload crcs included)."""
+    def verify(self, listing: Listing | None = None) -> None:
+        """Rebuild the index by scanning every segment in full (payload crcs included), but
+        for those the manifest's ``listing`` lists as they are now (taken from it, unread)."""
         with self.lock.exclusive():
             self.index, self.problems = DiskIndex(), []
             self.unverified.clear()
             self.listed.clear()
-            self.refresh()
+            self.refresh(listing=listing)
             self.generation += 1
 
     def stat_segments(self) -> dict[int, tuple[int, int]]:
@@ -367,6 +369,8 @@ class SegmentDir:
         """Copy the live records of the ``doubtful`` segments (sealed first: appends go on in
         a fresh segment) to the active one: (the segments, those the copies went to,
         {segment: keys of its records that failed their crc})."""
+        if doubtful:
+            self.refresh()  # another process's appends to them are copied too
         rescued = {n for n in doubtful if n in self.index.segments}
         self._doubtful -= doubtful - rescued  # deleted since
         if not rescued:
