@@ -1,6 +1,8 @@
 """One real SmolLM2-135M for the whole session, and seeded documents with planted facts."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -12,6 +14,21 @@ from tierkv.textgen import passkey_prompt
 def model_and_tok():
     torch.manual_seed(0)
     return load_model("smollm2-135m")
+
+
+@pytest.fixture(autouse=True)
+def no_live_cache_left(request):
+    """A test that stopped before its cache's ``close()`` (a failed assertion outside a
+    ``with``) leaves that cache serving the session's model: it is closed here, so the tests
+    after it fail only for what they test."""
+    yield
+    if "model_and_tok" not in request.fixturenames:
+        return
+    model = request.getfixturevalue("model_and_tok")[0]
+    live = getattr(model, "_tierkv_cache", lambda: None)()
+    if live is not None:
+        with contextlib.suppress(Exception):  # the test's own failure is the one to read
+            live.close()
 
 
 @pytest.fixture(scope="session")
