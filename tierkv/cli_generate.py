@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import sys
 import tempfile
 import time
@@ -110,6 +111,10 @@ def _load(name: str):
         bar.set_postfix_str(name)
         model, tok = load_model(name)
         bar.update()
+    # What importing torch and transformers and loading the model left tracked lives as long as
+    # this process: frozen, the first full collection after loading (~0.18 s on the 2-core CPU,
+    # ~370K objects) skips it instead of landing in the reopen or the first token.
+    gc.freeze()
     return model, tok
 
 
