@@ -81,6 +81,41 @@ def test_an_in_place_save_cut_short_keeps_a_whole_document(tmp_path, monkeypatch
             model(ids(3, seed=4), **cache_kwargs(model, reopened), use_cache=True)  # records read
 
 
+def test_a_save_whose_fsync_failed_rewrites_that_segment_and_reopens(tmp_path, monkeypatch):
+    """An fsync of a segment fails as the document is saved in place: the save raises, the next
+    one copies that segment's records to a fresh segment instead of trusting a second fsync of
+    it, and the document reopens and goes on as the live cache does."""
+    import errno
+    import os
+
+    from tierkv.storage.manifest import DiskWriteError
+
+    model, where = tiny(), tmp_path / "doc"
+    config = TierConfig(device_budget="1MB", host_budget="16KB", disk_dir=where)
+    real, failed = os.fsync, []
+
+    def fsync(fd):
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        if name.startswith("seg-") and not failed:
+            failed.append(name)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd)
+    more = ids(3, seed=4)
+    with prefilled(model, config) as cache:
+        monkeypatch.setattr(os, "fsync", fsync)
+        with pytest.raises(DiskWriteError, match="fsync"):
+            cache.save(where)
+        cache.save(where)
+        monkeypatch.undo()
+        assert failed and not (where / failed[0]).exists()
+        with torch.no_grad():
+            live = model(more, **cache_kwargs(model, cache), use_cache=True).logits
+    with TieredCache.open(model, where) as reopened, torch.no_grad():
+        assert reopened.get_seq_length() == 300
+        again = model(more, **cache_kwargs(model, reopened), use_cache=True).logits
+    assert torch.equal(live, again)
+
+
 def test_an_earlier_state_with_other_layer_groups_is_not_replaced(tmp_path):
     """The same text saved under the same id by a policy that groups layers otherwise: its
     records' keys would name other layers' KV, so a save cut short would leave the stored one
