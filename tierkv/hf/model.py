@@ -7,6 +7,7 @@ Nothing is ever downloaded.
 from __future__ import annotations
 
 import functools
+import gc
 import importlib.util
 import inspect
 import json
@@ -84,6 +85,7 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
         target = cache_dir() / text
         if not (target / _MARKER).is_file():
             _convert(text, target)
+            gc.collect()  # the converted models, before anyone freezes what loading leaves
         return target
     path = Path(text).expanduser()
     if not path.is_dir():

@@ -265,7 +265,10 @@ class DiskTier(Tier):
         with self._lock:
             self._check_open()
             with self._files.lock.exclusive():
-                self._files.sync()
+                try:
+                    self._files.sync()
+                finally:  # a sync that rewrote a segment another writer appended to took it in
+                    self._sync_accounting()
                 self._meta.save()
 
     # -- reading ------------------------------------------------------------------------

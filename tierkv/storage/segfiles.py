@@ -326,13 +326,17 @@ class SegmentDir:
         report the next fsync of the file a success (Linux does): a segment an fsync failed
         on is not fsynced again but rewritten. The next sync copies its live records, read
         back and checked against their crc32, to a fresh segment, fsyncs that one and deletes
-        the doubtful file; a record whose bytes no longer pass is lost (DiskWriteError names
-        it, once; its file stays, and reading the record raises CorruptRecordError).
+        the doubtful file, so no manifest ever lists it. A record whose bytes no longer pass
+        is lost: its bytes are kept aside first (``<segment>.cut-N``), an older copy of its key
+        is live again if there is one (as after a crash before the flush), and DiskWriteError
+        names it, once.
         """
         self._check_writable()
         with self.lock.exclusive():
             wanted = set(self._unsynced if segments is None else segments)
             rescued, targets, lost = self._rescue(wanted & self._doubtful)
+            if segments is None:  # and what the rescue's refreshes took in from other writers
+                wanted = set(self._unsynced)
             numbers = sorted((wanted - rescued) | targets)
             failed = None
             try:
@@ -354,21 +358,12 @@ class SegmentDir:
                 self._doubtful.update(numbers if failed is None else [failed])
                 raise DiskWriteError(f"fsync of {self.path} failed: {exc}") from exc
             self._unsynced.difference_update(numbers)
-            for number in rescued:
-                self._doubtful.discard(number)
-                self._unsynced.discard(number)
-                if number not in lost:
-                    self._delete(number)
-            if lost:
-                names = "; ".join(f"{segment_name(n)}: {', '.join(map(str, keys))}"
-                                  for n, keys in sorted(lost.items()))
-                raise DiskWriteError(f"an earlier fsync of {self.path} failed and these records "
-                                     f"did not survive it (the rest were rewritten): {names}")
+            self._retire(rescued, lost)
 
-    def _rescue(self, doubtful: set[int]) -> tuple[set[int], set[int], dict[int, list]]:
+    def _rescue(self, doubtful: set[int]) -> tuple[set[int], set[int], dict[int, list[Scanned]]]:
         """Copy the live records of the ``doubtful`` segments (sealed first: appends go on in
         a fresh segment) to the active one: (the segments, those the copies went to,
-        {segment: keys of its records that failed their crc})."""
+        {segment: its records that failed their crc})."""
         if doubtful:
             self.refresh()  # another process's appends to them are copied too
         rescued = {n for n in doubtful if n in self.index.segments}
@@ -385,10 +380,38 @@ class SegmentDir:
             for record in [r for r in info.records if self.index.is_live(number, r)]:
                 target = self._copy(number, record)
                 if target is None:
-                    lost.setdefault(number, []).append(record.header.key)
+                    lost.setdefault(number, []).append(record)
                 else:
                     targets.add(target)
         return rescued, targets, lost
+
+    def _retire(self, rescued: set[int], lost: dict[int, list[Scanned]]) -> None:
+        """Delete the ``rescued`` segments, their records now in synced copies, keeping the
+        bytes of the ``lost`` ones aside first; DiskWriteError naming what was lost, and any
+        segment that could not be deleted (rescued again at the next sync)."""
+        named, failures = [], []
+        for number in sorted(rescued):
+            self._doubtful.discard(number)
+            self._unsynced.discard(number)
+            try:
+                kept = [self._copy_aside(number, r.offset, r.offset + r.header.length)
+                        for r in lost.get(number, ())]
+                self._delete(number)
+            except (OSError, StorageError) as exc:
+                self._doubtful.add(number)
+                self._unsynced.add(number)
+                failures.append(f"{segment_name(number)}: {exc}")
+                continue
+            if kept:
+                keys = ", ".join(str(r.header.key) for r in lost[number])
+                named.append(f"{segment_name(number)}: {keys} (bytes kept in {', '.join(kept)})")
+        if named or failures:
+            raise DiskWriteError(
+                "an earlier fsync of " + str(self.path) + " failed: "
+                + ("; ".join(named) + " did not survive it (the rest were rewritten)" if named
+                   else "its records were rewritten")
+                + ("; not deleted, to be rewritten at the next sync: " + "; ".join(failures)
+                   if failures else ""))
 
     # -- reclaiming ---------------------------------------------------------------------
     def reclaim(self, max_dead: float = 0.5) -> tuple[int, int]:
@@ -403,7 +426,9 @@ class SegmentDir:
         with self.lock.exclusive():
             self.refresh()
             for number in sorted(self.index.segments):
-                info = self.index.segments[number]
+                info = self.index.segments.get(number)
+                if info is None:  # rewritten by a sync below (its fsync had failed)
+                    continue
                 live = [r for r in info.records if self.index.is_live(number, r)]
                 if not info.size or sum(r.header.length for r in live) > (1 - max_dead) * info.size:
                     continue
@@ -414,6 +439,8 @@ class SegmentDir:
                     continue  # a live record is corrupt: keep its file as evidence
                 if live:
                     self.sync(set(copies))  # not the segments this loop may delete next
+                if number not in self.index.segments:
+                    continue  # doubtful, rewritten and deleted by that sync
                 self._delete(number)
                 deleted, compacted = deleted + (not live), compacted + bool(live)
         return deleted, compacted
