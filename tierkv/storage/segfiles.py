@@ -469,6 +469,7 @@ class SegmentDir:
             raise DiskWriteError(f"deleting {segment_name(number)} failed: {exc}") from exc
         self.index = self.index.without({number})
         self._unsynced.discard(number)
+        self._doubtful.discard(number)
         self.generation += 1
 
     def _close_writer(self) -> None:
