@@ -338,24 +338,24 @@ class SegmentDir:
             if segments is None:  # and what the rescue's refreshes took in from other writers
                 wanted = set(self._unsynced)
             numbers = sorted((wanted - rescued) | targets)
-            failed = None
+            number = None  # the segment being fsynced; None: the directory
             try:
-                for failed in numbers:
-                    if self._writer is not None and self._writer[0] == failed:
+                for number in numbers:
+                    if self._writer is not None and self._writer[0] == number:
                         os.fsync(self._writer[1])
                         continue
                     try:
-                        fd = self.open_read(failed)
+                        fd = self.open_read(number)
                     except FileNotFoundError:  # compacted away since
                         continue
                     try:
                         os.fsync(fd)
                     finally:
                         os.close(fd)
-                failed = None
+                number = None
                 os.fsync(self.dir_fd)
-            except OSError as exc:
-                self._doubtful.update(numbers if failed is None else [failed])
+            except OSError as exc:  # the directory's failing doubts every segment it names
+                self._doubtful.update(numbers if number is None else [number])
                 raise DiskWriteError(f"fsync of {self.path} failed: {exc}") from exc
             self._unsynced.difference_update(numbers)
             self._retire(rescued, lost)
@@ -405,13 +405,13 @@ class SegmentDir:
             if kept:
                 keys = ", ".join(str(r.header.key) for r in lost[number])
                 named.append(f"{segment_name(number)}: {keys} (bytes kept in {', '.join(kept)})")
-        if named or failures:
-            raise DiskWriteError(
-                "an earlier fsync of " + str(self.path) + " failed: "
-                + ("; ".join(named) + " did not survive it (the rest were rewritten)" if named
-                   else "its records were rewritten")
-                + ("; not deleted, to be rewritten at the next sync: " + "; ".join(failures)
-                   if failures else ""))
+        parts = []
+        if named:
+            parts.append("; ".join(named) + " did not survive it (the rest were rewritten)")
+        if failures:
+            parts.append("not deleted, to be rewritten at the next sync: " + "; ".join(failures))
+        if parts:
+            raise DiskWriteError(f"an earlier fsync of {self.path} failed: " + "; ".join(parts))
 
     # -- reclaiming ---------------------------------------------------------------------
     def reclaim(self, max_dead: float = 0.5) -> tuple[int, int]:
