@@ -41,12 +41,13 @@ def size_arg(text: str) -> int:
 
 
 def budget_arg(text: str) -> float | int:
-    """argparse type of a token budget: a fraction in (0, 1) or a whole token count >= 1."""
+    """argparse type of a token budget: a fraction in (0, 1] written with a point or an
+    exponent ("0.1", "1.0": the whole context), or a whole token count ("512")."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value >= 1 and value.is_integer():
+    if value > 1 and value.is_integer() or value == 1 and text.strip().isdigit():
         value = int(value)
     try:
         SelectConfig(budget=value)

@@ -46,7 +46,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=sorted(REGISTRY), help="KV policy (default: "
                         f"{DEFAULT_POLICY}; with --load, the saved document's)")
     parser.add_argument("--budget", type=budget_arg, metavar="B", help="tokens a sparse layer "
-                        "attends to: a fraction of the context in (0, 1), or a token count "
+                        "attends to: a fraction of the context in (0, 1] (1.0: all of it), or a token count "
                         f"(default: {SelectConfig().budget}; with --load, the saved document's)")
     parser.add_argument("--fetch-unit", choices=FETCH_UNITS, help="what omnikv/tierkv fill "
                         "the budget with: whole records, or single leaves (finer, reads more; "

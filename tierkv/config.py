@@ -223,8 +223,9 @@ class SelectConfig:
     """What a sparse layer attends to.
 
     ``budget`` is the token budget of the selected context: a fraction of the context length
-    when < 1 (e.g. 0.1), a token count when >= 1. Sinks and the recent window are always kept
-    and count against it.
+    when a float up to 1.0 (0.1; 1.0, the whole context), a token count when an int >= 1 or a
+    whole float above 1 (``budget=1.0`` read as one token took a user meaning "all of it" to
+    sinks and window only). Sinks and the recent window are always kept and count against it.
 
     ``fetch_unit`` is what ``omnikv``/``tierkv`` fill the budget with from a filter layer's
     scores: ``"record"`` (default), whole stored records (``ChunkConfig.base`` tokens), so a
@@ -276,8 +277,8 @@ class SelectConfig:
     def __post_init__(self):
         b = self.budget
         if isinstance(b, bool) or not isinstance(b, (int, float)) or b <= 0 or b != b:
-            raise ValueError(f"budget={b!r}: must be a fraction in (0, 1) or a token count >= 1")
-        if isinstance(b, float) and b >= 1 and not b.is_integer():
+            raise ValueError(f"budget={b!r}: must be a fraction in (0, 1] or a token count >= 1")
+        if isinstance(b, float) and b > 1 and not b.is_integer():
             raise ValueError(f"budget={b!r}: a token count must be a whole number")
         if b > MAX_BUDGET_TOKENS:
             raise ValueError(f"budget={b!r}: a token count must be at most {MAX_BUDGET_TOKENS}")
@@ -302,8 +303,13 @@ class SelectConfig:
                 raise ValueError(f"filter_layers={self.filter_layers!r}: must be strictly increasing")
             object.__setattr__(self, "filter_layers", layers)
 
+    @property
+    def fraction(self) -> bool:
+        """Whether ``budget`` is a fraction of the context (else a token count)."""
+        return isinstance(self.budget, float) and self.budget <= 1
+
     def tokens(self, context: int) -> int:
         """The token budget for a context of ``context`` tokens."""
-        if self.budget < 1:
+        if self.fraction:
             return max(1, int(round(self.budget * context)))
         return int(self.budget)
