@@ -34,6 +34,7 @@ from ..storage.probe import read_bandwidth
 from ..storage.store import KVStore
 from ..workers import worker_pool
 from .admit import check_args, claim_doc, device_need, on_model_device, sliding_window
+from .crop import crop
 from .fetching import GroupFetches
 from .groups import Fetch, GroupIndex
 from .hooks import install, uninstall
@@ -223,6 +224,15 @@ class TieredCache(GroupFetches, Cache):
     @property
     def is_compileable(self) -> bool:
         return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """``crop(-n)``: take back the newest ``n`` tokens, as assisted and prompt-lookup
+        decoding do after a pass verifying drafted ones (``hf/crop.py``)."""
+        crop(self, tokens_to_remove)
 
     def _attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         prompt = query.shape[2] > 1  # Ctrl-C stops a prompt between layers, a decode step after

@@ -80,6 +80,12 @@ class RecentWindows:
         self._windows[layer] = (room[0][:, :rest_k.shape[1]], room[1][:, :rest_k.shape[1]])
         return taken
 
+    def drop_last(self, layer: int, tokens: int) -> None:
+        """Take ``layer``'s newest ``tokens`` out of its window (``crop``): the buffer stays,
+        with room for what comes next."""
+        k, v = self._windows[layer]
+        self._windows[layer] = (k[:, :k.shape[1] - tokens], v[:, :v.shape[1] - tokens])
+
     def put_back(self, layer: int, cut: list[KVBlock], tokens: int) -> None:
         """Make ``layer``'s window the first ``tokens`` of the blocks ``cut`` from it since its
         group last sealed, followed by the window: a failed forward pass undone

@@ -226,6 +226,10 @@ class Policy:
         nothing it added for positions from ``tokens`` on, nor work it left for a later layer,
         may stay; what it learned of earlier positions may. Default: nothing to forget."""
 
+    def crop(self, cache, tokens: int) -> None:
+        """The cache took back its newest tokens (``hf/crop.py``) and holds ``tokens``: forget
+        what was kept for positions from ``tokens`` on. Default: nothing kept by position."""
+
     def budget(self, cache, group: int | None = None) -> int:
         """Token budget of the sealed context this step: ``SelectConfig.tokens`` less the recent
         window, attended on top. With ``group``, the window is what that group's layers attend

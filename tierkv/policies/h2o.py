@@ -35,6 +35,10 @@ class H2O(Policy):
     def roll_back(self, cache, tokens):
         self._acc, self._evicted = (dict(kept) for kept in self._marked)
 
+    def crop(self, cache, tokens):
+        self._acc = {layer: acc[:, :tokens] for layer, acc in self._acc.items()}
+        self._evicted = {layer: gone[:, :tokens] for layer, gone in self._evicted.items()}
+
     def observe_prefill(self, cache, layer, mass):
         acc = self._grow(cache, self._acc.get(layer), mass.shape[1])
         self._acc[layer] = acc + mass.float().cpu()

@@ -110,6 +110,9 @@ class OmniKV(Policy):
         self._to_adapt.clear()  # a fold the failed pass's filter layer left for a later group
         self._smoothed = dict(self._marked)
 
+    def crop(self, cache, tokens):  # the selectors' running scores, by position
+        self._smoothed = {layer: scores[:tokens] for layer, scores in self._smoothed.items()}
+
     def record_tokens(self, group):
         if group[0] < self.filters[0] or self._full_after(group):
             tokens = DENSE_RECORD_TOKENS

@@ -1,0 +1,122 @@
+"""``TieredCache.crop``: the newest tokens taken back, as transformers' assisted and prompt-lookup
+decoding do after each pass that verifies drafted tokens (``tierkv/hf/crop.py``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from tierkv import SelectConfig, TierConfig, TieredCache
+from tierkv.hf.model import cache_kwargs
+from tierkv.policies import REGISTRY
+from tinyllama import PER_TOKEN, ids, tiny
+
+PROFILE = {"retrieval_heads": {"1": [0]}}
+
+
+def _config(tmp_path, name="kv"):
+    return TierConfig(device_budget="4MB", host_budget="64KB", disk_dir=tmp_path / name)
+
+
+def _feed(model, cache, tokens):
+    return model(tokens, **cache_kwargs(model, cache), use_cache=True).logits[0]
+
+
+def test_a_cropped_cache_goes_on_as_one_that_never_saw_the_tokens(tmp_path):
+    model, other = tiny(), tiny()
+    plain = DynamicCache(config=other.config)
+    prompt, drafted = ids(300), ids(6, seed=2)
+    with TieredCache(model, _config(tmp_path), "full") as cache, torch.no_grad():
+        _feed(model, cache, prompt)
+        _feed(model, cache, drafted)
+        assert cache.stats()["disk_records"] > 0  # older tokens sealed, the drafted ones not
+        cache.crop(-4)
+        assert cache.get_seq_length() == 302 and cache.token_ids.tolist() == \
+            torch.cat([prompt, drafted[:, :2]], 1).tolist()
+        _feed(other, plain, torch.cat([prompt, drafted[:, :2]], 1))
+        for seed in range(40):  # past the window: what it sealed after the crop is right too
+            token = ids(1, seed=10 + seed)
+            torch.testing.assert_close(_feed(model, cache, token), _feed(other, plain, token),
+                                       rtol=1e-5, atol=1e-5)
+        cache.crop(0)
+        assert cache.get_seq_length() == 342
+        cache.save(tmp_path / "saved")
+    with TieredCache.open(model, tmp_path / "saved", _config(tmp_path, "again")) as cache, \
+            torch.no_grad():
+        token = ids(1, seed=99)
+        torch.testing.assert_close(_feed(model, cache, token), _feed(other, plain, token),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_assisted_and_prompt_lookup_decoding_give_greedy_tokens(tmp_path):
+    model, draft = tiny(), tiny(layers=2, seed=3)
+    base = ids(300)
+    prompt = torch.cat([base, base[:, :150], base], 1)  # repeats: prompt lookup finds drafts
+    with torch.no_grad():
+        want = model.generate(prompt, max_new_tokens=30, do_sample=False)
+        for name, kwargs in (("lookup", dict(prompt_lookup_num_tokens=5)),
+                             ("assisted", dict(assistant_model=draft))):
+            with TieredCache(model, _config(tmp_path, name), "full") as cache:
+                got = model.generate(prompt, **cache_kwargs(model, cache), max_new_tokens=30,
+                                     do_sample=False, **kwargs)
+                assert got.tolist() == want.tolist()
+                assert cache.token_ids.tolist() == got[:, :-1].tolist()
+
+
+@pytest.mark.parametrize("policy", sorted(REGISTRY))
+def test_every_policy_decodes_with_prompt_lookup_and_goes_on(policy, tmp_path):
+    """Lossy policies keep what the rejected tokens' attention taught them of older positions
+    (h2o's accumulated attention, the selectors' running scores): their tokens may differ from
+    plain decoding's, but the cache stays whole and within its device budget."""
+    model = tiny()
+    base = ids(300)
+    prompt = torch.cat([base, base[:, :150], base], 1)
+    select = SelectConfig(selector="uniform")  # running scores by position, cut by the crop
+    with TieredCache(model, _config(tmp_path), policy, select=select, profile=PROFILE) as cache, \
+            torch.no_grad():
+        got = model.generate(prompt, **cache_kwargs(model, cache), max_new_tokens=24,
+                             prompt_lookup_num_tokens=5, do_sample=False)
+        assert cache.get_seq_length() == got.shape[1] - 1
+        more = model.generate(got, **cache_kwargs(model, cache), max_new_tokens=40, do_sample=False)
+        assert cache.get_seq_length() == more.shape[1] - 1
+        assert cache.stats()["device_peak_bytes"] <= 4 * 10**6
+
+
+def test_a_crop_past_the_recent_windows_or_of_a_length_is_refused(tmp_path):
+    model = tiny()
+    with TieredCache(model, _config(tmp_path), "full", select=SelectConfig(window=16)) as cache, \
+            torch.no_grad():
+        _feed(model, cache, ids(300))
+        held = min(cache._window[layer][0].shape[1] for layer in range(4))
+        assert 16 <= held < 300
+        before = cache.token_ids.clone()
+        with pytest.raises(ValueError, match=rf"of which the newest {held} are in every layer's"):
+            cache.crop(-(held + 1))
+        with pytest.raises(ValueError, match=r"crop\(5\): a TieredCache takes a negative count"):
+            cache.crop(5)
+        with pytest.raises(TypeError, match="expected an int"):
+            cache.crop(-1.0)
+        assert cache.get_seq_length() == 300 and torch.equal(cache.token_ids, before)
+        cache.crop(-held)  # all the windows hold: the device tier's window bytes stay reserved
+        assert cache.get_seq_length() == 300 - held
+        assert cache.store.device.reserved_for("window:0") >= 16 * PER_TOKEN
+        _feed(model, cache, ids(1, seed=5))
+
+
+@pytest.mark.parametrize("policy", ["omnikv", "h2o"])
+def test_what_a_policy_holds_by_position_is_cut_with_the_tokens(policy, tmp_path):
+    """Decode steps taken back (transformers' own decoding loop crops one it ran ahead): the
+    selectors' running scores and h2o's accumulated attention cover the tokens the cache holds,
+    so a token at a taken-back position starts afresh."""
+    model = tiny()
+    select = SelectConfig(selector="uniform", budget=0.2)
+    with TieredCache(model, _config(tmp_path), policy, select=select) as cache, torch.no_grad():
+        _feed(model, cache, ids(300))
+        for seed in range(3):
+            _feed(model, cache, ids(1, seed=seed))
+        cache.crop(-3)
+        held = cache.policy._smoothed if policy == "omnikv" else cache.policy._acc
+        assert held and all(t.shape[-1] <= 300 for t in held.values())
+        for seed in range(3):
+            _feed(model, cache, ids(1, seed=7 + seed))
+        assert cache.get_seq_length() == 303
