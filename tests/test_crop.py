@@ -48,7 +48,12 @@ def test_a_cropped_cache_goes_on_as_one_that_never_saw_the_tokens(tmp_path):
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_assisted_and_prompt_lookup_decoding_give_greedy_tokens(tmp_path):
+@pytest.mark.parametrize("held", [0, 600])
+def test_assisted_and_prompt_lookup_decoding_give_greedy_tokens(held, tmp_path):
+    """On a fresh cache, and on one holding part of the prompt (a document, then a question):
+    transformers feeds an assisted generate's first pass whole, the held tokens too (a
+    DynamicCache then holds them twice); through a TieredCache it feeds only the new ones, and
+    ids that do not continue the cache's are refused."""
     model, draft = tiny(), tiny(layers=2, seed=3)
     base = ids(300)
     prompt = torch.cat([base, base[:, :150], base], 1)  # repeats: prompt lookup finds drafts
@@ -57,10 +62,17 @@ def test_assisted_and_prompt_lookup_decoding_give_greedy_tokens(tmp_path):
         for name, kwargs in (("lookup", dict(prompt_lookup_num_tokens=5)),
                              ("assisted", dict(assistant_model=draft))):
             with TieredCache(model, _config(tmp_path, name), "full") as cache:
+                if held:
+                    _feed(model, cache, prompt[:, :held])
                 got = model.generate(prompt, **cache_kwargs(model, cache), max_new_tokens=30,
                                      do_sample=False, **kwargs)
                 assert got.tolist() == want.tolist()
                 assert cache.token_ids.tolist() == got[:, :-1].tolist()
+                other = got.clone()
+                other[0, 10] = (other[0, 10] + 1) % 64
+                with pytest.raises(ValueError, match="differ from the cache's at position 10"):
+                    model.generate(other, **cache_kwargs(model, cache), max_new_tokens=2, **kwargs)
+                assert cache.get_seq_length() == got.shape[1] - 1
 
 
 @pytest.mark.parametrize("policy", sorted(REGISTRY))

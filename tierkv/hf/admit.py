@@ -202,9 +202,13 @@ class GenerateGuard:
             if kwargs.get("is_first_iteration") and passed is cache:
                 held = cache.get_seq_length()  # once a generate call: decode steps skip this
                 if held and cache.token_ids.shape[1] == held \
-                        and isinstance(input_ids, torch.Tensor) and input_ids.shape[0] == 1 \
-                        and kwargs.get("next_sequence_length") == input_ids.shape[1] - held > 0:
-                    check_prefix(cache.token_ids, input_ids)
+                        and isinstance(input_ids, torch.Tensor) and input_ids.shape[0] == 1:
+                    if kwargs.get("next_sequence_length") is None and input_ids.shape[1] > held:
+                        # assisted and prompt-lookup decoding feed their first pass whole,
+                        # assuming an empty cache: a DynamicCache then holds the prompt twice
+                        kwargs["next_sequence_length"] = input_ids.shape[1] - held
+                    if kwargs.get("next_sequence_length") == input_ids.shape[1] - held > 0:
+                        check_prefix(cache.token_ids, input_ids)
             return self.prepare(input_ids, *args, **kwargs)
 
         model.prepare_inputs_for_generation = self.wrapper = prepare
