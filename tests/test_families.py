@@ -106,3 +106,21 @@ def test_every_policy_decodes_within_its_device_budget(family, policy, tmp_path)
                              do_sample=False)
         assert out.shape == (1, PROMPT + 10) and cache.get_seq_length() == PROMPT + 9
         assert cache.stats()["device_peak_bytes"] <= DEVICE
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_decode_through_the_tiers(dtype, tmp_path):
+    """The tiers hold a half-precision model's KV as it is (half the bytes a token): `full`
+    gives plain transformers' greedy tokens, and a selecting policy decodes within budget."""
+    model, ids = _model("qwen2").to(dtype), _ids(PROMPT)
+    with torch.no_grad():
+        reference = model.generate(ids, max_new_tokens=12, do_sample=False)
+        for policy in ("full", "tierkv"):
+            with TieredCache(model, _config(tmp_path / policy), policy,
+                             profile={"filter_layers": [1, 3]}) as cache:
+                out = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=12,
+                                     do_sample=False)
+                assert cache.stats()["device_peak_bytes"] <= DEVICE
+                assert cache.stats()["disk_bytes"] > 0
+                if policy == "full":
+                    assert out.tolist() == reference.tolist()
