@@ -106,11 +106,15 @@ def test_a_crop_past_the_recent_windows_or_of_a_length_is_refused(tmp_path):
             cache.crop(-(held + 1))
         with pytest.raises(ValueError, match=r"crop\(5\): a TieredCache takes a negative count"):
             cache.crop(5)
-        with pytest.raises(TypeError, match="expected an int"):
-            cache.crop(-1.0)
+        for wrong in (-1.0, True, "2"):
+            with pytest.raises(TypeError, match="expected an int"):
+                cache.crop(wrong)
         assert cache.get_seq_length() == 300 and torch.equal(cache.token_ids, before)
+        cache.crop(torch.tensor(-1))  # as an int (a count transformers may leave a tensor)
+        assert cache.get_seq_length() == 299
+        held -= 1
         cache.crop(-held)  # all the windows hold: the device tier's window bytes stay reserved
-        assert cache.get_seq_length() == 300 - held
+        assert cache.get_seq_length() == 299 - held
         assert cache.store.device.reserved_for("window:0") >= 16 * PER_TOKEN
         _feed(model, cache, ids(1, seed=5))
 

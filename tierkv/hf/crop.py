@@ -10,6 +10,8 @@ a crop that would reach a sealed token is refused, with nothing changed.
 """
 from __future__ import annotations
 
+import operator
+
 from .hooks import check_whole
 
 
@@ -17,8 +19,13 @@ def crop(cache, tokens_to_remove: int) -> None:
     """Take the newest ``-tokens_to_remove`` tokens back out of ``cache`` (transformers' sign:
     ``crop(-3)`` removes three; ``crop(0)`` nothing). ValueError, with nothing changed, for a
     positive count or more tokens than every layer's recent window holds."""
-    if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
-        raise TypeError(f"crop(tokens_to_remove={tokens_to_remove!r}): expected an int <= 0")
+    try:  # an int, or what indexes like one (a 0-d integer tensor)
+        if isinstance(tokens_to_remove, bool):
+            raise TypeError
+        tokens_to_remove = operator.index(tokens_to_remove)
+    except TypeError:
+        raise TypeError(f"crop(tokens_to_remove={tokens_to_remove!r}): expected an int "
+                        "<= 0") from None
     if tokens_to_remove > 0:
         raise ValueError(f"crop({tokens_to_remove}): a TieredCache takes a negative count of "
                          "tokens to remove (transformers' crop(-n)), not a length to keep")
