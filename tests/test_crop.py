@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from tierkv import SelectConfig, TierConfig, TieredCache
 from tierkv.hf.model import cache_kwargs
 from tierkv.policies import REGISTRY
-from tinyllama import PER_TOKEN, ids, tiny
+from tinyllama import ids, tiny
 
 PROFILE = {"retrieval_heads": {"1": [0]}}
 
@@ -83,7 +83,7 @@ def test_every_policy_decodes_with_prompt_lookup_and_goes_on(policy, tmp_path):
     model = tiny()
     base = ids(300)
     prompt = torch.cat([base, base[:, :150], base], 1)
-    select = SelectConfig(selector="uniform")  # running scores by position, cut by the crop
+    select = SelectConfig(selector="uniform")
     with TieredCache(model, _config(tmp_path), policy, select=select, profile=PROFILE) as cache, \
             torch.no_grad():
         got = model.generate(prompt, **cache_kwargs(model, cache), max_new_tokens=24,
@@ -115,24 +115,81 @@ def test_a_crop_past_the_recent_windows_or_of_a_length_is_refused(tmp_path):
         held -= 1
         cache.crop(-held)  # all the windows hold: the device tier's window bytes stay reserved
         assert cache.get_seq_length() == 299 - held
-        assert cache.store.device.reserved_for("window:0") >= 16 * PER_TOKEN
         _feed(model, cache, ids(1, seed=5))
 
 
-@pytest.mark.parametrize("policy", ["omnikv", "h2o"])
-def test_what_a_policy_holds_by_position_is_cut_with_the_tokens(policy, tmp_path):
+def test_what_a_policy_holds_by_position_is_cut_with_the_tokens(tmp_path):
     """Decode steps taken back (transformers' own decoding loop crops one it ran ahead): the
-    selectors' running scores and h2o's accumulated attention cover the tokens the cache holds,
-    so a token at a taken-back position starts afresh."""
+    selectors' running scores cover the tokens the cache holds, and h2o, whose steps evicted
+    positions that are in the recent window again, evicts none of the window (a cache that never
+    saw the steps never does)."""
     model = tiny()
-    select = SelectConfig(selector="uniform", budget=0.2)
-    with TieredCache(model, _config(tmp_path), policy, select=select) as cache, torch.no_grad():
-        _feed(model, cache, ids(300))
-        for seed in range(3):
-            _feed(model, cache, ids(1, seed=seed))
-        cache.crop(-3)
-        held = cache.policy._smoothed if policy == "omnikv" else cache.policy._acc
-        assert held and all(t.shape[-1] <= 300 for t in held.values())
-        for seed in range(3):
-            _feed(model, cache, ids(1, seed=7 + seed))
-        assert cache.get_seq_length() == 303
+    select = SelectConfig(selector="uniform", budget=0.2, window=16)
+    for policy in ("omnikv", "h2o"):
+        with TieredCache(model, _config(tmp_path, policy), policy, select=select) as cache, \
+                torch.no_grad():
+            _feed(model, cache, ids(300))
+            for seed in range(12):
+                _feed(model, cache, ids(1, seed=seed))
+            held = cache.policy._smoothed if policy == "omnikv" else cache.policy._evicted
+            if policy == "h2o":  # the steps evicted positions 12 before the window's start
+                assert all(bool(gone[:, 296 - 12:296].any()) for gone in held.values())
+            cache.crop(-12)
+            held = cache.policy._smoothed if policy == "omnikv" else cache.policy._evicted
+            assert held and all(t.shape[-1] <= 300 for t in held.values())
+            if policy == "h2o":
+                assert not any(bool(gone[:, 300 - 16:].any()) for gone in held.values())
+            for seed in range(3):
+                _feed(model, cache, ids(1, seed=70 + seed))
+            assert cache.get_seq_length() == 303
+
+
+def test_drafts_a_crop_could_not_take_back_are_refused_before_their_pass(tmp_path):
+    model = tiny()
+    base = ids(300)
+    prompt = torch.cat([base, base[:, :150], base], 1)
+    with TieredCache(model, _config(tmp_path), "full", select=SelectConfig(window=8)) as cache, \
+            torch.no_grad():
+        with pytest.raises(ValueError, match=r"verifying 12 drafted tokens: a TieredCache takes "
+                                             r"back at most 8 after it"):
+            model.generate(prompt, **cache_kwargs(model, cache), max_new_tokens=20,
+                           prompt_lookup_num_tokens=12, do_sample=False)
+        assert cache.get_seq_length() == 0  # nothing was fed
+        want = model.generate(prompt, **cache_kwargs(model, cache), max_new_tokens=20,
+                              prompt_lookup_num_tokens=8, do_sample=False)
+    with torch.no_grad():
+        assert want.tolist() == model.generate(prompt, max_new_tokens=20, do_sample=False).tolist()
+
+
+def test_continuing_a_cache_without_drafts_is_as_before(tmp_path):
+    """What only assisted decoding's first pass gets (its held ids sliced off) is not done to
+    others: a chunked prefill (prefill_chunk_size), and only the new ids with an attention_mask
+    over the whole sequence, transformers' own way to continue a cache."""
+    model, other = tiny(), tiny()
+    held = ids(10, seed=1)
+    with torch.no_grad():
+        for name, new in (("chunked", ids(100, seed=2)), ("mask", ids(40, seed=2))):
+            whole = torch.cat([held, new], 1)
+            want = other.generate(whole, max_new_tokens=6, do_sample=False)[0, whole.shape[1]:]
+            with TieredCache(model, _config(tmp_path, name), "full") as cache:
+                _feed(model, cache, held)
+                if name == "chunked":
+                    out = model.generate(whole, **cache_kwargs(model, cache), max_new_tokens=6,
+                                         do_sample=False, prefill_chunk_size=32)
+                else:
+                    out = model.generate(new, attention_mask=torch.ones_like(whole),
+                                         **cache_kwargs(model, cache), max_new_tokens=6,
+                                         do_sample=False)
+                assert out[0, -6:].tolist() == want.tolist()
+                assert cache.get_seq_length() == whole.shape[1] + 5
+
+
+def test_a_closed_cache_is_neither_cropped_nor_saved(tmp_path):
+    model = tiny()
+    cache = TieredCache(model, _config(tmp_path), "full")
+    with torch.no_grad():
+        _feed(model, cache, ids(100))
+    cache.close()
+    for use in (lambda: cache.crop(-1), lambda: cache.save(tmp_path / "saved")):
+        with pytest.raises(RuntimeError, match="this TieredCache is closed"):
+            use()

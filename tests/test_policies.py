@@ -55,9 +55,12 @@ def test_a_group_index_fetches_the_same_leaves_once_while_its_tree_stays():
 
 def test_budget_of_a_group_counts_its_unsealed_tokens():
     policy = omnikv(budget=0.1, window=32)
-    cache = SimpleNamespace(get_seq_length=lambda: 1000, indexes=[SimpleNamespace(sealed=960)])
+    cache = SimpleNamespace(get_seq_length=lambda: 1000, indexes=[SimpleNamespace(sealed=960)],
+                            shortest_window=lambda: 40)
     assert policy.budget(cache) == 100 - 32
     assert policy.budget(cache, 0) == 100 - 40
+    cache.shortest_window = lambda: 20  # a crop left less: the budget covers what it left out
+    assert policy.budget(cache) == 100 - 20
 
 
 def test_omnikv_seals_base_chunks():
@@ -238,7 +241,8 @@ def test_quest_and_leoam_fetch_by_estimated_shares(name):
     index, q = leaves_read_by_one_head()
     policy = make_policy(name, 6, SelectConfig(budget=24, window=8, sinks=4), CHUNKS, {})
     cache = SimpleNamespace(get_seq_length=lambda: 72, index_of=lambda layer: index,
-                            group_of=list(range(6)), fit_to_device=lambda group, tokens: tokens)
+                            group_of=list(range(6)), fit_to_device=lambda group, tokens: tokens,
+                            shortest_window=lambda: 8)
     assert policy.fetch(cache, 4, q[:, None]).tolist() == [0, 3]  # the sink page, then leaf 3
 
 
@@ -289,7 +293,8 @@ def preselecting_cache(index, device: int):
     cache.__dict__.update(
         store=SimpleNamespace(device=SimpleNamespace(budget=device)), groups=[(0,), (1,), (2, 3, 4, 5)],
         group_bytes=lambda layer: 1 << 20, index_of=lambda layer: index,
-        get_seq_length=lambda: 1040, shape=KVShape(6, KV, DIM), group_of=[0, 1, 2, 2, 2, 2],
+        get_seq_length=lambda: 1040, shortest_window=lambda: 32, shape=KVShape(6, KV, DIM),
+        group_of=[0, 1, 2, 2, 2, 2],
         indexes=[index] * 3, spare_tokens=lambda g: 32 + 8,  # window + record tokens
         fetch_ahead=True, policy=SimpleNamespace(name="tierkv"), trimmed_fetches=0,
         trimmed_tokens=0, _window=SimpleNamespace(most_bytes=lambda: 6 * 40 * 64))

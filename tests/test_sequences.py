@@ -2,8 +2,8 @@
 steps of random lengths, saves (in place or elsewhere) and reopenings with other tier budgets,
 codecs and segment sizes, compaction, passes that fail part-way, and crops.
 
-* Lossless (``full``, and ``tierkv`` attending its whole context): every pass gives plain
-  transformers' logits for the tokens the cache holds.
+* Lossless (``full``, and ``tierkv``, ``quest`` and ``leoam`` with a budget of the whole
+  context): every pass gives plain transformers' logits for the tokens the cache holds.
 * Every policy: a cache saved, reopened and compacted along the way, and for those without an
   adaptive chunk tree one whose passes failed part-way, gives the logits of a twin that never
   was.
@@ -69,8 +69,8 @@ def test_a_lossless_cache_is_plain_transformers_whatever_is_done_to_it(seed, tmp
     rng, layers = random.Random(seed), 4
     model, other = tiny(layers=layers), tiny(layers=layers)
     gen = torch.Generator().manual_seed(seed)
-    policy, select = ("full", None) if seed % 2 else \
-        ("tierkv", SelectConfig(budget=1.0, question_tokens=0))
+    policy = ("full", "tierkv", "quest", "leoam")[seed % 4]
+    select = SelectConfig(budget=1.0, question_tokens=rng.choice([0, 64]))
     device = int(2200 * PER_TOKEN * rng.choice([1.5, 3]))  # a layer's whole context, and more
     plain, fed = DynamicCache(config=other.config), torch.zeros(1, 0, dtype=torch.long)
     path, saved = tmp_path / "kv", None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,7 +48,7 @@ def budget_arg(text: str) -> float | int:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value > 1 and value.is_integer() or value == 1 and text.strip().isdigit():
+    if value > 1 and value.is_integer() or value == 1 and re.fullmatch(r"\s*\+?\d+\s*", text):
         value = int(value)
     try:
         SelectConfig(budget=value)

@@ -177,11 +177,17 @@ class GenerateGuard:
     and ``model.generate`` so that it first calls ``settle(cache)`` (``hooks.check_whole``: a
     pass that something other than an ``Exception`` stopped is undone before generate reads the
     cache's length); ``remove()`` unwraps both. Only where generate slices the ids (they start
-    with the cached ones) and the cache knows its ids (they were fed as ``input_ids``)."""
+    with the cached ones) and the cache knows its ids (they were fed as ``input_ids``).
+
+    Assisted and prompt-lookup decoding feed their first pass whole, assuming an empty cache (a
+    ``DynamicCache`` then holds the held tokens twice): through a cache holding tokens, that pass
+    is fed only the new ones. Each of their passes is refused, before it runs, when it drafts
+    more tokens than a crop can take back after it (``SelectConfig.window``)."""
 
     def __init__(self, model, cache, settle):
         self.model, self.prepare = model, getattr(model, "prepare_inputs_for_generation", None)
         self.wrapper = self.generate = None
+        self.prompt: int | None = None  # the ids given to an assisted generate call under way
         # what the model's own attributes were (an application's wrapper), put back by remove()
         self.own = {name: vars(model).get(name) for name in ("prepare_inputs_for_generation",
                                                              "generate")}
@@ -192,23 +198,30 @@ class GenerateGuard:
             @functools.wraps(generate)
             def guarded(*args, **kwargs):
                 settle(cache)
-                return generate(*args, **kwargs)
+                ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+                self.prompt = ids.shape[-1] if _drafting(model, kwargs) and \
+                    isinstance(ids, torch.Tensor) else None
+                try:
+                    return generate(*args, **kwargs)
+                finally:
+                    self.prompt = None
 
             model.generate = self.generate = guarded
 
         @functools.wraps(self.prepare)  # generate reads its signature
         def prepare(input_ids, *args, **kwargs):
             passed = kwargs.get("cache", kwargs.get("past_key_values"))  # "cache" from 5.24 on
-            if kwargs.get("is_first_iteration") and passed is cache:
-                held = cache.get_seq_length()  # once a generate call: decode steps skip this
-                if held and cache.token_ids.shape[1] == held \
-                        and isinstance(input_ids, torch.Tensor) and input_ids.shape[0] == 1:
-                    if kwargs.get("next_sequence_length") is None and input_ids.shape[1] > held:
-                        # assisted and prompt-lookup decoding feed their first pass whole,
-                        # assuming an empty cache: a DynamicCache then holds the prompt twice
+            if passed is cache and isinstance(input_ids, torch.Tensor) and input_ids.shape[0] == 1:
+                held, first = cache.get_seq_length(), kwargs.get("is_first_iteration")
+                known = held and cache.token_ids.shape[1] == held
+                if self.prompt is not None:  # assisted: its passes verify drafted tokens
+                    if first and known and "next_sequence_length" in kwargs and \
+                            kwargs["next_sequence_length"] is None and input_ids.shape[1] > held:
                         kwargs["next_sequence_length"] = input_ids.shape[1] - held
-                    if kwargs.get("next_sequence_length") == input_ids.shape[1] - held > 0:
-                        check_prefix(cache.token_ids, input_ids)
+                    check_drafts(cache, input_ids.shape[1] - (self.prompt if first else held + 1))
+                if first and known and kwargs.get("next_sequence_length") == \
+                        input_ids.shape[1] - held > 0:  # once a generate call
+                    check_prefix(cache.token_ids, input_ids)
             return self.prepare(input_ids, *args, **kwargs)
 
         model.prepare_inputs_for_generation = self.wrapper = prepare
@@ -222,6 +235,28 @@ class GenerateGuard:
                 delattr(self.model, name)
             else:
                 setattr(self.model, name, self.own[name])
+
+
+def _drafting(model, kwargs: dict) -> bool:
+    """Whether a ``generate`` call given ``kwargs`` drafts tokens (assisted or prompt-lookup
+    decoding), by its arguments, its ``generation_config`` or the model's."""
+    configs = (kwargs.get("generation_config"), getattr(model, "generation_config", None))
+    return kwargs.get("assistant_model") is not None or any(
+        kwargs.get(name, getattr(config, name, None)) is not None
+        for config in configs for name in ("prompt_lookup_num_tokens", "assistant_early_exit"))
+
+
+def check_drafts(cache, drafted: int) -> None:
+    """Refuse a pass verifying ``drafted`` tokens, before it runs, when a crop could not take
+    all of them back after it: every layer's recent window keeps at least
+    ``SelectConfig.window`` tokens after a pass, and a crop reaches no further."""
+    window = cache.select.window
+    if drafted > window:
+        raise ValueError(
+            f"a pass verifying {drafted} drafted tokens: a TieredCache takes back at most "
+            f"{window} after it (SelectConfig.window), which the rejected ones may exceed. "
+            "Draft fewer (prompt_lookup_num_tokens, or the assistant's num_assistant_tokens: "
+            "its 'heuristic' schedule grows them) or keep a larger window; nothing was fed")
 
 
 def device_need(tag: str, per_token: int) -> str:

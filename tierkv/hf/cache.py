@@ -221,6 +221,9 @@ class TieredCache(GroupFetches, Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layer_length(layer_idx)
 
+    def shortest_window(self) -> int:
+        return self._window.shortest()
+
     @property
     def is_compileable(self) -> bool:
         return False

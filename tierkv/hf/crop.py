@@ -29,6 +29,8 @@ def crop(cache, tokens_to_remove: int) -> None:
     if tokens_to_remove > 0:
         raise ValueError(f"crop({tokens_to_remove}): a TieredCache takes a negative count of "
                          "tokens to remove (transformers' crop(-n)), not a length to keep")
+    if cache._model is None:
+        raise RuntimeError("this TieredCache is closed: make a new one")
     check_whole(cache, "be cropped")
     count = -tokens_to_remove
     if count == 0:
@@ -45,3 +47,5 @@ def crop(cache, tokens_to_remove: int) -> None:
         cache._window.drop_last(layer, count)
     cache.token_ids = cache.token_ids[:, :min(cache.token_ids.shape[1], n - count)]
     cache.policy.crop(cache, n - count)
+    cache.prompt_mass.clear()  # the cut pass's last queries' attention: not the prompt's now
+    cache.prompt_query.clear()

@@ -80,6 +80,10 @@ class RecentWindows:
         self._windows[layer] = (room[0][:, :rest_k.shape[1]], room[1][:, :rest_k.shape[1]])
         return taken
 
+    def shortest(self) -> int:
+        """Tokens the shortest window holds."""
+        return min(k.shape[1] for k, _ in self._windows)
+
     def drop_last(self, layer: int, tokens: int) -> None:
         """Take ``layer``'s newest ``tokens`` out of its window (``crop``): the buffer stays,
         with room for what comes next."""

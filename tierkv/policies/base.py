@@ -234,9 +234,13 @@ class Policy:
         """Token budget of the sealed context this step: ``SelectConfig.tokens`` less the recent
         window, attended on top. With ``group``, the window is what that group's layers attend
         unsealed this step (``window + 1`` to ``window + chunk_tokens`` tokens, the new one
-        included); without, ``SelectConfig.window``."""
+        included); without, ``SelectConfig.window``, or what the shortest window holds when a
+        crop left less (``hf/crop.py``: a budget of the whole context still covers it)."""
         n = cache.get_seq_length()
-        window = self.select.window if group is None else n - cache.indexes[group].sealed
+        if group is None:
+            window = min(self.select.window, cache.shortest_window())
+        else:
+            window = n - cache.indexes[group].sealed
         return max(0, self.select.tokens(n) - window)
 
     def max_leaf(self, cache) -> int:

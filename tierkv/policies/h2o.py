@@ -35,9 +35,11 @@ class H2O(Policy):
     def roll_back(self, cache, tokens):
         self._acc, self._evicted = (dict(kept) for kept in self._marked)
 
-    def crop(self, cache, tokens):
+    def crop(self, cache, tokens):  # what the cut pass evicted of the window again: kept
+        recent = max(0, tokens - self.select.window)
         self._acc = {layer: acc[:, :tokens] for layer, acc in self._acc.items()}
-        self._evicted = {layer: gone[:, :tokens] for layer, gone in self._evicted.items()}
+        self._evicted = {layer: torch.cat([gone[:, :recent], torch.zeros_like(gone[:, recent:tokens])],
+                                          dim=1) for layer, gone in self._evicted.items()}
 
     def observe_prefill(self, cache, layer, mass):
         acc = self._grow(cache, self._acc.get(layer), mass.shape[1])
