@@ -184,12 +184,12 @@ def test_continuing_a_cache_without_drafts_is_as_before(tmp_path):
                 assert cache.get_seq_length() == whole.shape[1] + 5
 
 
-def test_a_closed_cache_is_neither_cropped_nor_saved(tmp_path):
+def test_a_closed_cache_is_neither_cropped_compacted_nor_saved(tmp_path):
     model = tiny()
     cache = TieredCache(model, _config(tmp_path), "full")
     with torch.no_grad():
         _feed(model, cache, ids(100))
     cache.close()
-    for use in (lambda: cache.crop(-1), lambda: cache.save(tmp_path / "saved")):
+    for use in (lambda: cache.crop(-1), lambda: cache.save(tmp_path / "saved"), cache.compact):
         with pytest.raises(RuntimeError, match="this TieredCache is closed"):
             use()

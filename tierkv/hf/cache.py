@@ -359,6 +359,8 @@ class TieredCache(GroupFetches, Cache):
     def compact(self) -> int:
         """Rewrite records to match merged/split chunks (idle work, never on the decode path);
         returns the number of records written."""
+        if self._model is None:
+            raise RuntimeError("this TieredCache is closed: make a new one")
         keep = self.snapshot or frozenset()  # the saved document's records: until a save
         return sum(index.rewrite(self.store, keep) for index in self.indexes)
 
