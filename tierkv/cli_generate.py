@@ -46,8 +46,8 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=sorted(REGISTRY), help="KV policy (default: "
                         f"{DEFAULT_POLICY}; with --load, the saved document's)")
     parser.add_argument("--budget", type=budget_arg, metavar="B", help="tokens a sparse layer "
-                        "attends to: a fraction of the context in (0, 1] (1.0: all of it), or a token count "
-                        f"(default: {SelectConfig().budget}; with --load, the saved document's)")
+                        "attends to: a fraction of the context in (0, 1] (1.0: all of it), or a "
+                        f"token count (default: {SelectConfig().budget}; with --load, the saved document's)")
     parser.add_argument("--fetch-unit", choices=FETCH_UNITS, help="what omnikv/tierkv fill "
                         "the budget with: whole records, or single leaves (finer, reads more; "
                         "default: record; with --load, the saved document's)")

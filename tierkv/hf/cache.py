@@ -37,7 +37,7 @@ from .admit import check_args, claim_doc, device_need, on_model_device, sliding_
 from .crop import crop
 from .fetching import GroupFetches
 from .groups import Fetch, GroupIndex
-from .hooks import install, uninstall
+from .hooks import check_open, install, uninstall
 from .prefill import prefill_attention
 from .profile import check_profile, load_profile
 from .recover import HeldInterrupt, changing, failed, restore, stop
@@ -359,8 +359,7 @@ class TieredCache(GroupFetches, Cache):
     def compact(self) -> int:
         """Rewrite records to match merged/split chunks (idle work, never on the decode path);
         returns the number of records written."""
-        if self._model is None:
-            raise RuntimeError("this TieredCache is closed: make a new one")
+        check_open(self)
         keep = self.snapshot or frozenset()  # the saved document's records: until a save
         return sum(index.rewrite(self.store, keep) for index in self.indexes)
 

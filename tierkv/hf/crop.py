@@ -29,13 +29,11 @@ def crop(cache, tokens_to_remove: int) -> None:
     if tokens_to_remove > 0:
         raise ValueError(f"crop({tokens_to_remove}): a TieredCache takes a negative count of "
                          "tokens to remove (transformers' crop(-n)), not a length to keep")
-    if cache._model is None:
-        raise RuntimeError("this TieredCache is closed: make a new one")
     check_whole(cache, "be cropped")
     count = -tokens_to_remove
     if count == 0:
         return
-    held = min(window[0].shape[1] for window in cache._window)
+    held = cache.shortest_window()
     n = cache.get_seq_length()
     if count > held:
         raise ValueError(

@@ -98,12 +98,20 @@ def begin_forward(cache, args, kwargs) -> None:
     torch.set_grad_enabled(False)
 
 
+def check_open(cache) -> None:
+    """RuntimeError for a cache that was closed (its tiers released)."""
+    if cache._model is None:
+        raise RuntimeError("this TieredCache is closed: make a new one (TieredCache.open "
+                           "reopens a saved document)")
+
+
 def check_whole(cache, doing: str = "go on") -> None:
     """RuntimeError when a forward pass through ``cache`` failed part-way (an error, a full
     disk, Ctrl-C) and could not be undone (``recover.roll_back``): some layers then hold the
     pass's tokens and others not, and nothing it computes is right. A pass that something other
     than an ``Exception`` stopped (it skipped ``end_forward``) is undone here first, in its own
-    thread or, when that thread has ended, in this one."""
+    thread or, when that thread has ended, in this one. A closed cache: ``check_open``."""
+    check_open(cache)
     mine = cache._thread == threading.get_ident()
     if cache._failed is None and cache._in_forward and not mine and \
             cache._thread not in {thread.ident for thread in threading.enumerate()}:

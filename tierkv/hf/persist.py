@@ -64,9 +64,6 @@ def save(cache, path) -> Path:
     refused with ValueError, and records of a replaced state the document no longer has go.
     """
     path = _as_path(path, "save")
-    if cache._model is None:
-        raise RuntimeError("this TieredCache is closed: make a new one (TieredCache.open a "
-                           "saved document)")
     check_whole(cache, "be saved")
     tokens, known = cache.get_seq_length(), cache.token_ids.shape[1]
     if known != tokens:

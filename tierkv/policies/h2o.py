@@ -36,10 +36,10 @@ class H2O(Policy):
         self._acc, self._evicted = (dict(kept) for kept in self._marked)
 
     def crop(self, cache, tokens):  # what the cut pass evicted of the window again: kept
-        recent = max(0, tokens - self.select.window)
         self._acc = {layer: acc[:, :tokens] for layer, acc in self._acc.items()}
-        self._evicted = {layer: torch.cat([gone[:, :recent], torch.zeros_like(gone[:, recent:tokens])],
-                                          dim=1) for layer, gone in self._evicted.items()}
+        self._evicted = {layer: gone[:, :tokens].clone() for layer, gone in self._evicted.items()}
+        for gone in self._evicted.values():
+            gone[:, max(0, tokens - self.select.window):] = False
 
     def observe_prefill(self, cache, layer, mass):
         acc = self._grow(cache, self._acc.get(layer), mass.shape[1])
