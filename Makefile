@@ -26,7 +26,7 @@ test-fast: setup
 demo: setup
 	$(BIN)/python -m tierkv.demo
 
-BENCHES := storage codecs selection pipeline reopen quality ceiling decode scale
+BENCHES := storage codecs selection pipeline reopen quality ceiling decode verify scale
 
 bench: setup
 	for b in $(BENCHES); do $(BIN)/python -m bench.$$b --quick || exit 1; done

@@ -17,7 +17,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 BEGIN, END = "<!-- RESULTS:BEGIN -->", "<!-- RESULTS:END -->"
 ORDER = ("storage", "codecs", "selection", "pipeline", "quality", "ceiling", "reopen", "decode",
-         "scale")
+         "verify", "scale")
 
 
 def fmt(value, digits: int = 3) -> str:
@@ -193,6 +193,28 @@ def decode_rows(d: dict) -> list[tuple]:
     return rows
 
 
+def verify_rows(d: dict) -> list[tuple]:
+    cases = d.get("cases", {})
+    step = cases.get("step", {})
+    rows = [("step top1", step.get("top1_agreement"),
+             f"tierkv, one token a pass: {fmt(step.get('ms_per_pass'))} ms a pass "
+             f"(full_memory {fmt(cases.get('full_memory', {}).get('ms_per_pass'))})")]
+    for t, s in sorted(d.get("drafts", {}).items(), key=lambda item: int(item[0])):
+        verify, question = cases.get(f"verify_{t}", {}), cases.get(f"question_{t}", {})
+        rows += [(f"t={t}: verifying pass / step", s.get("pass_cost"),
+                  f"{fmt(verify.get('ms_per_pass'))} ms a pass of {t} tokens attended as a decode "
+                  f"step; plain transformers' pass / its step: {fmt(s.get('full_memory_pass_cost'))}"),
+                 (f"t={t}: as a question / verifying", s.get("speedup_vs_question"),
+                  f"the same passes attended as questions (before): "
+                  f"{fmt(question.get('ms_per_pass'))} ms a pass"),
+                 (f"t={t}: verifying top1", verify.get("top1_agreement"),
+                  f"every draft accepted; as questions {fmt(question.get('top1_agreement'))}")]
+    cfg = d.get("config", {})
+    rows.append(("context", cfg.get("tokens"), f"{cfg.get('continuation')} tokens fed in passes, "
+                 "tierkv with bench.decode's budgets"))
+    return rows
+
+
 def _gb(nbytes) -> float | None:
     return None if nbytes is None else nbytes / 1e9
 
@@ -233,7 +255,8 @@ def scale_rows(d: dict) -> list[tuple]:
 
 RENDERERS = {"storage": storage_rows, "codecs": codecs_rows, "selection": selection_rows,
              "pipeline": pipeline_rows, "quality": quality_rows, "ceiling": ceiling_rows,
-             "reopen": reopen_rows, "decode": decode_rows, "scale": scale_rows}
+             "reopen": reopen_rows, "decode": decode_rows, "verify": verify_rows,
+             "scale": scale_rows}
 
 
 def render(results: dict[str, dict]) -> str:

@@ -4,7 +4,7 @@ import torch
 
 import tierkv.kernels
 from tierkv.attention import (DecodeAccumulator, attention_with_mass, causal_attention,
-                              decode_attention, recent_query_mass)
+                              decode_attention, recent_query_mass, scored_decode_attention)
 
 needs_native = pytest.mark.skipif(tierkv.kernels.decode_attend is None,
                                   reason="tierkv._native's kernels are not built or not for this CPU")
@@ -304,11 +304,11 @@ def test_attention_with_mass_is_both_in_one_pass(heads, kv_heads, t, n, dtype):
 
 
 def test_degenerate_shapes_refused_by_name():
-    """One query token over keys of at least one kv head and token: anything else is refused
-    naming the shapes (before: the kernel used only the first of several query tokens, and
-    empty heads divided by zero)."""
+    """Query tokens no more than the keys (their own are the last), over keys of at least one
+    kv head and token: anything else is refused naming the shapes (before: the kernel used only
+    the first of several query tokens, and empty heads divided by zero)."""
     k = v = torch.randn(2, 5, 8)
-    for q in (torch.randn(4, 2, 8), torch.randn(4, 1, 0), torch.randn(0, 1, 8)):
+    for q in (torch.randn(4, 6, 8), torch.randn(4, 1, 0), torch.randn(0, 1, 8)):
         with pytest.raises(ValueError, match="decode_attention: q"):
             decode_attention(q, k, v, 1.0)
     with pytest.raises(ValueError, match="decode_attention"):
@@ -317,3 +317,34 @@ def test_degenerate_shapes_refused_by_name():
         DecodeAccumulator(torch.randn(4, 8), 1.0).add(torch.randn(0, 3, 8), torch.randn(0, 3, 8))
     with pytest.raises(ValueError, match="none empty"):
         DecodeAccumulator(torch.randn(0, 4, 8), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_several_query_tokens_see_the_keys_up_to_their_own(dtype):
+    """A pass verifying drafted tokens attends as a decode step: ``t`` query tokens over ``n``
+    keys whose last ``t`` are their own, token ``i`` seeing keys ``[0, n - t + i]``; each
+    equals a one-token step over its keys, and the probabilities stack the tokens as heads
+    (0 past a token's own key), so their largest and summed weights span heads and tokens."""
+    torch.manual_seed(3)
+    t, n = 5, 40
+    q = torch.randn(6, t, 16).to(dtype)
+    k, v = torch.randn(2, n, 16).to(dtype), torch.randn(2, n, 16).to(dtype)
+    steps = [decode_attention(q[:, i:i + 1], k[:, :n - t + 1 + i], v[:, :n - t + 1 + i], 0.25)
+             for i in range(t)]
+    want = torch.cat(steps, dim=1).float()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(decode_attention(q, k, v, 0.25).float(), want, atol=tol)
+    out, probs = scored_decode_attention(q, k, v, 0.25)
+    assert torch.allclose(out.float(), want, atol=tol)
+    assert probs.shape == (2, 3 * t, n)
+    rows = probs.view(2, 3, t, n)
+    for i in range(t):
+        assert torch.all(rows[:, :, i, n - t + 1 + i:] == 0)
+        _, one = scored_decode_attention(q[:, i:i + 1], k[:, :n - t + 1 + i], v[:, :n - t + 1 + i], 0.25)
+        assert torch.allclose(rows[:, :, i, :n - t + 1 + i], one.view(2, 3, -1), atol=1e-5)
+    allowed = torch.ones(2, 1, 1, n, dtype=torch.bool)
+    allowed[1, ..., 3] = False  # a mask of the caller's still holds beside the tokens' own
+    _, masked = scored_decode_attention(q, k, v, 0.25, allowed)
+    assert torch.all(masked[1, :, 3] == 0) and torch.all(masked[0, :, 3] > 0)
+    with pytest.raises(ValueError, match="query tokens over"):
+        scored_decode_attention(torch.randn(6, 7, 16), k[:, :6], v[:, :6], 0.25)

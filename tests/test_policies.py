@@ -297,7 +297,7 @@ def preselecting_cache(index, device: int):
         group_of=[0, 1, 2, 2, 2, 2],
         indexes=[index] * 3, spare_tokens=lambda g: 32 + 8,  # window + record tokens
         fetch_ahead=True, policy=SimpleNamespace(name="tierkv"), trimmed_fetches=0,
-        trimmed_tokens=0, _window=SimpleNamespace(most_bytes=lambda: 6 * 40 * 64))
+        trimmed_tokens=0, _window=SimpleNamespace(most_bytes=lambda extra=0: 6 * (40 + extra) * 64))
     return cache
 
 

@@ -111,7 +111,8 @@ def test_records_window_and_query_that_do_not_match_are_refused():
         with pytest.raises(ValueError, match="do not match"):
             attend_parts(query, LayerParts(table, 0, wk, wv), 0.1)
     wk, wv = window(torch.float32)
-    for bad_v, query in [(wv[:, :2], q), (wv.half(), q), (wv, torch.randn(9, 2, 64))]:
+    for bad_v, query in [(wv[:, :2], q), (wv.half(), q), (wv, torch.randn(9, 0, 64)),
+                         (wv[:, :2], torch.randn(9, 2, 64))]:
         with pytest.raises(ValueError, match="do not match"):  # the kernel would read past them
             attend_parts(query, LayerParts(table, 0, wk, bad_v), 0.1)
     for slot in (3, 100_000_000, -1):  # three layers: no other slot lies in the records
@@ -195,3 +196,23 @@ def test_an_unpacked_cpu_delivery_is_the_records_as_held(tmp_path):
             held = [i for i, key in enumerate(keys[g]) if key in store.host]
             assert held and all(block.parts[i].keys is store.host.get(keys[g][i]).keys for i in held)
             assert block.nbytes == packed.nbytes
+
+
+@needs_kernel
+def test_a_pass_verifying_drafted_tokens_attends_the_parts_as_their_packed_copy():
+    """Several query tokens (drafted ones, the window's last) over the parts: each sees the
+    records and the window up to its own token, as ``scored_decode_attention`` over the packed
+    copy (and the same as one token at a time over the window cut after it)."""
+    block = scattered(torch.float32)
+    q = torch.randn(9, 4, 64, generator=torch.Generator().manual_seed(5))
+    table = group_table(block, torch.arange(3, 40))
+    wk, wv = window(torch.float32, w=7)
+    parts = LayerParts(table, 1, wk, wv)
+    want, want_probs = scored_decode_attention(q, *parts.packed(), 0.125)
+    out, probs = attend_parts(q, parts, 0.125, scored=True)
+    assert out.shape == (9, 4, 64) and probs.shape == (3, 12, parts.tokens)
+    assert torch.allclose(out, want, atol=1e-5) and torch.allclose(probs, want_probs, atol=1e-6)
+    assert torch.allclose(attend_parts(q, parts, 0.125), out, atol=1e-6)
+    for i in range(4):  # token i: the window up to its own
+        cut = LayerParts(table, 1, wk[:, :4 + i], wv[:, :4 + i])
+        assert torch.allclose(attend_parts(q[:, i:i + 1], cut, 0.125), out[:, i:i + 1], atol=1e-5)

@@ -1,4 +1,4 @@
-"""Attention kernels over tiered KV: query-blocked causal prefill and single-token decode.
+"""Attention kernels over tiered KV: query-blocked causal prefill and decode steps.
 
 Shapes follow one sequence (batch 1): queries ``(q_heads, t, head_dim)``, keys and values
 ``(kv_heads, n, head_dim)``; GQA groups the ``q_heads`` as ``(kv_heads, q_heads // kv_heads)``.
@@ -168,32 +168,38 @@ def _probs(q: torch.Tensor, k: torch.Tensor, scaling: float, allowed=None, bias=
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
-    """One query token over ``n`` keys (all visible).
+    """A decode step's attention: ``t`` query tokens over ``n >= t`` keys, the last ``t`` of
+    which are their own (query ``i`` sees keys ``[0, n - t + i]``); one token sees all.
 
-    On a CPU it takes the C kernel where it runs (``DecodeAccumulator``), reading the keys and
-    values where they lie, head rows apart included (no copy of a block's window slice). A
-    decode step's attention over ~1K tokens of SmolLM2 (9 query heads, 3 kv heads, fp32), one
-    thread, 2-core machine, 2026-11-27: 109-112 us against SDPA's 181-233 us in one
+    On a CPU one token takes the C kernel where it runs (``DecodeAccumulator``), reading the
+    keys and values where they lie, head rows apart included (no copy of a block's window
+    slice). A decode step's attention over ~1K tokens of SmolLM2 (9 query heads, 3 kv heads,
+    fp32), one thread, 2-core machine, 2026-11-27: 109-112 us against SDPA's 181-233 us in one
     measurement, 100 against 86 in another; ``bench.decode``'s ``tierkv`` case (25 such calls
-    a step), one process: 114.3 against 119.3 ms a token, then 102.6 against 102.9.
+    a step), one process: 114.3 against 119.3 ms a token, then 102.6 against 102.9. Several
+    tokens (a pass verifying drafted ones) go through one masked SDPA call.
 
-    q : Tensor, shape (q_heads, 1, head_dim); k, v : Tensor, shape (kv_heads, n, head_dim).
-    Returns Tensor, shape (q_heads, 1, head_dim).
+    q : Tensor, shape (q_heads, t, head_dim); k, v : Tensor, shape (kv_heads, n, head_dim).
+    Returns Tensor, shape (q_heads, t, head_dim).
     """
-    if q.dim() != 3 or q.shape[1] != 1 or 0 in q.shape or k.dim() != 3 or k.shape[0] < 1:
+    if q.dim() != 3 or 0 in q.shape or k.dim() != 3 or k.shape[0] < 1 or q.shape[1] > k.shape[1] \
+            and q.shape[1] > 1:
         raise ValueError(f"decode_attention: q {tuple(q.shape)} and keys {tuple(k.shape)}: expected "
-                         "(q_heads, 1, head_dim) and (kv_heads, n, head_dim), none empty")
-    if q.is_cpu and k.shape[1] and _kernel_takes(q.shape[0], k, v):
+                         "(q_heads, t, head_dim) and (kv_heads, n >= t, head_dim), none empty")
+    t = q.shape[1]
+    if t == 1 and q.is_cpu and k.shape[1] and _kernel_takes(q.shape[0], k, v):
         acc = DecodeAccumulator(q[:, 0], scaling, native=True)
         acc.add(k, v)
         return acc.result().to(q.dtype)
-    return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=scaling,
-                                          enable_gqa=q.shape[0] != k.shape[0])[0]
+    mask = None if t == 1 else _own_tokens(t, k.shape[1], q.device)
+    return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask,
+                                          scale=scaling, enable_gqa=q.shape[0] != k.shape[0])[0]
 
 
 def scored_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
                             allowed: torch.Tensor | None = None, bias: torch.Tensor | None = None):
-    """Decode attention that also returns the probabilities (for filter layers and H2O).
+    """Decode attention that also returns the probabilities (for filter layers and H2O); ``t``
+    query tokens see the keys as in ``decode_attention``.
 
     allowed : bool Tensor broadcastable to (kv_heads, group, 1, n), or None for all keys.
     bias : float Tensor broadcastable to (kv_heads, group, 1, n) added to the scores (e.g. the
@@ -201,10 +207,24 @@ def scored_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
     Returns
     -------
-    out : Tensor, shape (q_heads, 1, head_dim); probs : Tensor, shape (kv_heads, group, n), fp32.
+    out : Tensor, shape (q_heads, t, head_dim); probs : Tensor, shape (kv_heads, group * t, n),
+    fp32 (query head ``h``'s token ``i`` in row ``(h % group) * t + i``; 0 where not seen): a
+    key's largest or summed weight over the rows is over the heads and the tokens.
     """
+    t, n = q.shape[1], k.shape[1]
+    if t > 1:
+        if t > n:
+            raise ValueError(f"scored_decode_attention: {t} query tokens over {n} keys: the last "
+                             "t keys are the queries' own")
+        own = _own_tokens(t, n, q.device)
+        allowed = own if allowed is None else allowed & own
     probs = _probs(q, k, scaling, allowed, bias)
-    return _weighted(probs, v).reshape(q.shape), probs[:, :, 0]
+    return _weighted(probs, v).reshape(q.shape), probs.flatten(1, 2)
+
+
+def _own_tokens(t: int, n: int, device) -> torch.Tensor:
+    """Which of ``n`` keys each of the last ``t`` positions sees: BoolTensor (t, n)."""
+    return torch.ones(t, n, dtype=torch.bool, device=device).tril(n - t)
 
 
 def _weighted(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

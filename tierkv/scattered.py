@@ -58,6 +58,7 @@ from typing import NamedTuple
 import torch
 
 from . import kernels
+from .attention import decode_attention, scored_decode_attention
 from .storage.base import KVBlock
 
 FIELDS = 7  # a table row: k, v addresses; k, v layer strides; k, v head strides (bytes); tokens
@@ -200,15 +201,17 @@ def attend_parts(q: torch.Tensor, parts: LayerParts, scaling: float, scored: boo
 
     Returns the output (q_heads, 1, head_dim) in q's dtype, and with ``scored`` the softmax
     probabilities too, (kv_heads, group, tokens) fp32, as ``attention.scored_decode_attention``.
+    Several query tokens (a pass verifying drafted ones, the window's last ``t``) attend the
+    parts packed into one tensor, as ``attention.decode_attention`` says.
     """
-    q_heads, _, dim = q.shape
+    q_heads, t, dim = q.shape
     q_dtype = q.dtype
     k = parts.window_k
     first = parts.group.parts[0].keys
     kv_heads = first.shape[1]
     v = parts.window_v
     if (first.dtype, kv_heads, first.shape[3]) != (k.dtype, k.shape[0], k.shape[2]) or \
-            k.shape[2] != dim or q_heads % kv_heads or q.shape[1] != 1 or \
+            k.shape[2] != dim or q_heads % kv_heads or not 1 <= t <= max(1, parts.tokens) or \
             v.shape != k.shape or v.dtype != k.dtype:
         raise ValueError(f"attend_parts: records {tuple(first.shape)} {first.dtype}, window keys "
                          f"{tuple(k.shape)} {k.dtype}, values {tuple(v.shape)} {v.dtype} and query "
@@ -216,6 +219,10 @@ def attend_parts(q: torch.Tensor, parts: LayerParts, scaling: float, scored: boo
     if not 0 <= parts.slot < first.shape[0]:
         raise ValueError(f"attend_parts: layer slot {parts.slot} of records of {first.shape[0]} "
                          "layers")
+    if t > 1:
+        k, v = parts.packed()
+        return scored_decode_attention(q, k, v, scaling) if scored else \
+            decode_attention(q, k, v, scaling)
     g = q_heads // kv_heads
     if q.dtype != torch.float32 or not q.is_contiguous():
         q = q.float().contiguous()

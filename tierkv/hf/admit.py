@@ -182,7 +182,8 @@ class GenerateGuard:
     Assisted and prompt-lookup decoding feed their first pass whole, assuming an empty cache (a
     ``DynamicCache`` then holds the held tokens twice): through a cache holding tokens, that pass
     is fed only the new ones. Each of their passes is refused, before it runs, when it drafts
-    more tokens than a crop can take back after it (``SelectConfig.window``)."""
+    more tokens than a crop can take back after it (``SelectConfig.window``). Their passes after
+    the first set ``cache.verifying``: they attend as decode steps do."""
 
     def __init__(self, model, cache, settle):
         self.model, self.prepare = model, getattr(model, "prepare_inputs_for_generation", None)
@@ -204,7 +205,7 @@ class GenerateGuard:
                 try:
                     return generate(*args, **kwargs)
                 finally:
-                    self.prompt = None
+                    self.prompt, cache.verifying = None, False
 
             model.generate = self.generate = guarded
 
@@ -214,6 +215,9 @@ class GenerateGuard:
             if passed is cache and isinstance(input_ids, torch.Tensor) and input_ids.shape[0] == 1:
                 held, first = cache.get_seq_length(), kwargs.get("is_first_iteration")
                 known = held and cache.token_ids.shape[1] == held
+                # a first pass verifies too when all it brings besides drafts is the last id
+                cache.verifying = self.prompt is not None and (
+                    not first or bool(known) and self.prompt - held == 1)
                 if self.prompt is not None:  # assisted: its passes verify drafted tokens
                     if first and known and "next_sequence_length" in kwargs and \
                             kwargs["next_sequence_length"] is None and input_ids.shape[1] > held:

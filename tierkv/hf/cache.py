@@ -100,6 +100,9 @@ class TieredCache(GroupFetches, Cache):
         are a third of it and two threads halve them: one cache decoding alternate blocks of 8
         steps (2026-11-28) took 69.1 ms a token on two threads against 87.9 on one (median 66.9
         against 85.2).
+    verifying : whether a pass of several tokens on a cache holding more verifies drafted ones,
+        attending as a decode step does (what each token would choose, where the device holds
+        it), not as a question: set by an assisted or prompt-lookup ``generate`` (``admit``).
     in_place : whether a CPU decode step attends its fetched records where the tiers hold them
         (``tierkv.scattered``) instead of packed into a block: on where the kernel runs and the
         policy reads parts (``Policy.reads_parts``: ``omnikv``, ``tierkv``).
@@ -184,6 +187,7 @@ class TieredCache(GroupFetches, Cache):
         self.prompt_mass: dict[int, torch.Tensor] = {}  # layer -> its recent queries' attention
         self.prompt_query: dict[int, torch.Tensor] = {}  # layer -> the prompt's last query (CPU)
         self.asking = False  # whether the forward pass is a question (``prefill.asks``)
+        self.verifying = False  # whether passes of several tokens verify drafted ones (``admit``)
         self.question_choice: dict[int, torch.Tensor] = {}  # group -> its leaves for the question
         self.reader = worker_pool(1, "tierkv-helper")  # prefill's reads
         self._folds: dict = {}  # group -> its tree's fold running on ``reader`` (``in_background``)
@@ -258,14 +262,16 @@ class TieredCache(GroupFetches, Cache):
         self._fresh[layer] = False
         q = query[0]
         scaling = module.scaling if scaling is None else scaling
-        if q.shape[1] > 1 or self.layer_length(layer) == q.shape[1]:
+        t = q.shape[1]
+        prompt = (t > 1 and not self.verifying) or self.layer_length(layer) == t
+        if prompt:
             if layer == 0 and self.policy.adaptive:
                 with self.changing():
                     self.compact()
             out = prefill_attention(self, layer, q, scaling)
-        else:
+        else:  # one new token, or a pass verifying drafted ones (``verifying``)
             out = self._decode(layer, q, scaling)
-        self._after_attention(layer, decoding=q.shape[1] == 1)
+        self._after_attention(layer, decoding=not prompt)
         return out.transpose(0, 1).unsqueeze(0)
 
     # -- decode -------------------------------------------------------------------------

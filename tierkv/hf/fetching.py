@@ -26,6 +26,8 @@ class GroupFetches:
     """``TieredCache``'s fetch of a layer group's records for a decode step (its state lives in
     the cache: ``_step``, ``_kept``, ``pipeline``, ``store``)."""
 
+    _drafts = 0  # the tokens a verifying pass adds to each window beyond a step's one (``hooks``)
+
     def fetched(self, layer: int, wanted: Fetch | torch.Tensor | None):
         """The records of ``layer``'s group that ``wanted`` names (a Fetch, leaf indices, or None
         for all) on the device, once per step per group: (KVBlock of the records, Fetch).
@@ -79,7 +81,7 @@ class GroupFetches:
         if not spec.keys or self._step.get(("prefetch", group), (None,))[0] == spec.keys:
             return
         nbytes = self._fetch_bytes(group, spec)
-        if self._room() < nbytes + self._window.growth():
+        if self._room() < nbytes + self._window.growth(self._drafts):
             return
         self.reserve(f"prefetch:{group}", nbytes)
         self._step[("prefetch", group)] = (spec.keys, self.pipeline.submit(self._plan(group, spec)))
@@ -123,7 +125,8 @@ class GroupFetches:
         """``fetch_room`` before it is held at 0: negative when even the window room the
         fetch keeps for ``group`` does not fit."""
         per_token = self.shape.token_bytes(len(self.groups[group]))
-        return (budget - self._window.most_bytes()) // per_token - self.spare_tokens(group)
+        windows = self._window.most_bytes(self._drafts)  # a verifying pass's drafts too
+        return (budget - windows) // per_token - self.spare_tokens(group)
 
     def _budget_for(self, group: int, tokens: int) -> int:
         """The device budget whose ``fetch_room(group)`` is at least ``tokens``."""

@@ -15,7 +15,7 @@ import torch
 
 from ..config import ChunkConfig
 from ..storage.base import KVBlock, RecordKey
-from ..summary import chunk_scores, head_shares, summarize_segments
+from ..summary import bound_scores as summary_bound_scores, chunk_scores, head_shares, summarize_segments
 from ..records import RecordRef
 from ..tree import ChunkTree
 
@@ -133,6 +133,20 @@ class GroupIndex:
         best = rank.min(dim=1).values.float()
         spread = (per_layer - per_layer.min()) / (per_layer.max() - per_layer.min() + 1e-9)
         return -best + 0.5 * spread
+
+    def bound_scores_each(self, q: torch.Tensor) -> torch.Tensor:
+        """``bound_scores`` of each of ``t`` query tokens alone, their bounds computed in one
+        pass: (t, m). q : Tensor, shape (q_heads, t, head_dim)."""
+        heads, t, dim = q.shape
+        kmin = self.tree.kmin
+        m, kv_heads = kmin.shape[0], kmin.shape[1]
+        per_head = summary_bound_scores(q.reshape(heads * t, dim), kmin, self.tree.kmax)
+        per_head = per_head.view(m, kv_heads, heads // kv_heads, t).amax(dim=2).permute(2, 0, 1)
+        rank = torch.argsort(torch.argsort(per_head, dim=1, descending=True), dim=1)
+        best = rank.min(dim=2).values.float()
+        per_layer = per_head.amax(dim=2)
+        low, high = per_layer.amin(dim=1, keepdim=True), per_layer.amax(dim=1, keepdim=True)
+        return -best + 0.5 * (per_layer - low) / (high - low + 1e-9)
 
     def share_scores(self, q: torch.Tensor) -> torch.Tensor:
         """Ranking of the leaves by estimated attention density: (m,), higher is better.

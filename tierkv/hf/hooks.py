@@ -12,7 +12,7 @@ import weakref
 import torch
 from transformers import AttentionInterface
 
-from .admit import GenerateGuard, check_forward
+from .admit import GenerateGuard, check_drafts, check_forward
 from .recover import restore, roll_back
 
 
@@ -74,12 +74,17 @@ def begin_forward(cache, args, kwargs) -> None:
                          f"but its forward pass was given {given}: pass cache=cache "
                          "(past_key_values=), or close() the cache first")
     new = check_forward(cache.get_seq_length(), cache.sliding_window, args, kwargs)
+    # attends as a decode step: one new token, or a pass verifying drafted ones
+    step = new == 1 or new is not None and cache.verifying and cache.get_seq_length() > 0
+    if step and new > 1:
+        check_drafts(cache, new - 1)  # (a crop could not take back more)
+    cache._drafts = new - 1 if step else 0  # (fetches leave the windows room for them)
     if new is not None and cache.get_seq_length():  # what would not fit: refused, nothing changed
-        if new == 1:
+        if step:
             cache.check_room()
         else:
             cache.check_prompt_room(new)
-    threads = cache.decode_threads if new == 1 else None
+    threads = cache.decode_threads if step else None
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                 or threads < 1):
         raise ValueError(f"TieredCache.decode_threads={threads!r}: expected a positive int, or "
@@ -144,6 +149,7 @@ def end_forward(cache, out) -> None:
     if cache._thread != threading.get_ident():
         return
     restore(cache)
+    cache._drafts = 0
     if out is None and cache._in_forward:
         raised = sys.exc_info()[1]  # (the exception torch is handling)
         if cache._cause is None and raised is not None:

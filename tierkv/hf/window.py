@@ -33,7 +33,7 @@ class RecentWindows:
         self._rooms: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(capacity)
         self._capacity = list(capacity)
         self._reserve = reserve
-        self._most: tuple[int, int] | None = None  # (buffers made, most_bytes()) when last summed
+        self._most: tuple | None = None  # (buffers made, extra, most_bytes(extra)) last summed
         self._made = 0  # buffers made or replaced so far
 
     def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,25 +113,27 @@ class RecentWindows:
         k, v = self._windows[layer] if room is None else room
         return k.nbytes + v.nbytes
 
-    def growth(self) -> int:
+    def growth(self, extra: int = 0) -> int:
         """Device bytes the windows may still reserve before they are next cut, each growing to
-        its ``capacity``."""
-        return sum(max(0, self._full_bytes(layer) - self.held_bytes(layer))
+        its ``capacity`` (and ``extra`` tokens more: a pass verifying drafted tokens)."""
+        return sum(max(0, self._full_bytes(layer, extra) - self.held_bytes(layer))
                    for layer in range(len(self._capacity)))
 
-    def most_bytes(self) -> int:
+    def most_bytes(self, extra: int = 0) -> int:
         """Device bytes the windows hold at most before they are next cut: each layer's buffer
-        at its ``capacity``, or what it holds when more (a reopened document's window, kept at
-        its saved length)."""
-        if self._most is None or self._most[0] != self._made:
-            self._most = self._made, sum(max(self._full_bytes(layer), self.held_bytes(layer))
-                                         for layer in range(len(self._capacity)))
-        return self._most[1]
+        at its ``capacity`` (and ``extra`` tokens more: a pass verifying drafted tokens appends
+        them beyond a decode step's one), or what it holds when more (a reopened document's
+        window, kept at its saved length)."""
+        if self._most is None or self._most[:2] != (self._made, extra):
+            self._most = self._made, extra, sum(max(self._full_bytes(layer, extra),
+                                                    self.held_bytes(layer))
+                                                for layer in range(len(self._capacity)))
+        return self._most[2]
 
-    def _full_bytes(self, layer: int) -> int:
-        """Device bytes of ``layer``'s buffer at its ``capacity``."""
+    def _full_bytes(self, layer: int, extra: int = 0) -> int:
+        """Device bytes of ``layer``'s buffer at its ``capacity`` and ``extra`` tokens."""
         k = self._windows[layer][0]
-        return 2 * k.shape[0] * self._capacity[layer] * k.shape[2] * k.element_size()
+        return 2 * k.shape[0] * (self._capacity[layer] + extra) * k.shape[2] * k.element_size()
 
     def _allocate(self, layer: int, k: torch.Tensor, v: torch.Tensor, tokens: int):
         """A new buffer of ``tokens`` tokens holding ``k``/``v`` first, reserved before it is

@@ -43,7 +43,8 @@ class LeoAM(Quest):
             return super().attend(cache, layer, q, k, v, positions, scaling)
         out, probs = scored_decode_attention(q, k, v, scaling)
         index = cache.index_of(layer)
-        scores = self._unfetched_estimate(index, q[:, 0], k, leaves, scaling, cache.layer_length(layer))
+        scores = self._unfetched_estimate(index, q.reshape(-1, q.shape[-1]), k, leaves, scaling,
+                                          cache.layer_length(layer))
         scores[positions] = probs.sum(dim=(0, 1)).cpu()
         with cache.changing():
             index.adapt(scores, leaves, self.select.sinks, None, None, self.max_leaf(cache))

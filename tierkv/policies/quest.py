@@ -45,4 +45,5 @@ class Quest(Policy):
             return None
         index = cache.index_of(layer)
         budget = cache.fit_to_device(cache.group_of[layer], self.budget(cache))
-        return index.top_chunks(index.share_scores(q[:, 0].cpu()), budget, self.select.sinks)
+        queries = q.reshape(-1, q.shape[-1]).cpu()  # a verifying pass's tokens: more heads
+        return index.top_chunks(index.share_scores(queries), budget, self.select.sinks)

@@ -38,11 +38,12 @@ class Razor(Policy):
         dropped = on_device(dropped.float(), k)
         comp_k = (dropped @ k.float()) / count  # (kv, d): mean over dropped tokens per head
         comp_v = (dropped @ v.float()) / count
-        k2 = torch.cat([k, comp_k.to(k.dtype).unsqueeze(1)], dim=1)
-        v2 = torch.cat([v, comp_v.to(v.dtype).unsqueeze(1)], dim=1)
-        allowed = torch.cat([kept.expand(kv_heads, -1) | full[:, None], (~full)[:, None]], dim=1)
+        # the compensation token first: the last keys are the query tokens' own
+        k2 = torch.cat([comp_k.to(k.dtype).unsqueeze(1), k], dim=1)
+        v2 = torch.cat([comp_v.to(v.dtype).unsqueeze(1), v], dim=1)
+        allowed = torch.cat([(~full)[:, None], kept.expand(kv_heads, -1) | full[:, None]], dim=1)
         bias = torch.zeros(kv_heads, k2.shape[1])
-        bias[:, -1] = math.log(count)
+        bias[:, 0] = math.log(count)
         out, _ = scored_decode_attention(q, k2, v2, scaling, on_device(allowed[:, None, None], q),
                                          on_device(bias[:, None, None], q))
         return out

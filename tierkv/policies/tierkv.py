@@ -166,15 +166,28 @@ class TierKV(OmniKV):
     def preselect(self, cache, layer, q):
         if not self.preselects(cache, layer):
             return None
-        query = q[:, 0].cpu()
-        self._queries[layer] = query
+        self._queries[layer] = q[:, -1].cpu()  # the newest token's: the next step's guess
         held = self._ahead.pop(layer, None)
-        if held is not None and held[0] == cache.index_of(layer).sealed:
+        if q.shape[1] > 1:  # a pass verifying drafted tokens
+            chosen = self._candidates_each(cache, layer, q)
+        elif held is not None and held[0] == cache.index_of(layer).sealed:
             chosen = held[1]  # announced by ``ahead``: being fetched
         else:
-            chosen = self._candidates(cache, layer, query)
+            chosen = self._candidates(cache, layer, q[:, 0].cpu())
         self._fetched[layer] = chosen
         return chosen
+
+    def _candidates_each(self, cache, layer, q):
+        """A verifying pass's candidates: those each of its tokens ranks first alone, as its
+        decode step would, all together where the device tier holds their records; else those
+        all of their query heads rank first together, within one step's number."""
+        ranked = cache.index_of(layer).bound_scores_each(q.cpu())  # (t, leaves)
+        each = [self._candidates(cache, layer, None, fetching=False, scores=row) for row in ranked]
+        leaves = torch.cat(each).unique()  # (sorted)
+        room = cache.fetch_room(cache.group_of[layer])
+        if room is not None and cache.index_of(layer).fetch(leaves).tokens > room:
+            return self._candidates(cache, layer, q.reshape(-1, q.shape[-1]).cpu())
+        return leaves
 
     def question_preselect(self, cache, layer, q):
         """A preselecting layer's candidates for a question: ranked by the bounds of all of its
@@ -192,7 +205,8 @@ class TierKV(OmniKV):
         return self._candidates(cache, layer, query, fetching=False) \
             if self.preselects(cache, layer) else None
 
-    def _candidates(self, cache, layer, query, fetching: bool = True, budget: int | None = None):
+    def _candidates(self, cache, layer, query, fetching: bool = True, budget: int | None = None,
+                    scores: torch.Tensor | None = None):
         """The leaves ``query`` (q_heads, head_dim) ranks first by their LKA bounds, those the
         layer fetched last ``PRESELECT_STICKINESS`` x the leaves higher, as many as the rule of
         this module's docstring allows (``fetching``: for a decode step's fetch, which a cut to
@@ -212,7 +226,7 @@ class TierKV(OmniKV):
             candidates = max(PRESELECT_MIN_FACTOR * budget, wanted)
         if not question:
             candidates = cache.fit_to_device(group, candidates, count=fetching)
-        scores = index.bound_scores(query)
+        scores = index.bound_scores(query) if scores is None else scores  # (``query``'s ranking)
         last = self._fetched.get(layer)
         if last is not None:  # leaves only ever append here: the indices still name them
             scores[last[last < scores.numel()]] += PRESELECT_STICKINESS * scores.numel()
