@@ -46,9 +46,8 @@ import torch
 from transformers import DynamicCache
 
 from bench.common import bench_device, document_ids, sync, write_result
-from bench.decode import DEVICE_SHARE, HOST_SHARE, SELECT, drop_disk, raised
-from tierkv import (DeviceBudgetWarning, SelectConfig, TierConfig, TieredCache, TierFullError,
-                    load_model)
+from bench.decode import DEVICE_SHARE, HOST_SHARE, SELECT, drop_disk, new_cache, raised
+from tierkv import DeviceBudgetWarning, TieredCache, TierFullError, load_model
 from tierkv.hf.model import cache_kwargs
 from tierkv.shapes import KVShape
 
@@ -100,12 +99,6 @@ class Case:
         return out
 
 
-def tiered(model, root: Path, name: str, device: int, host: int) -> TieredCache:
-    shutil.rmtree(root / name, ignore_errors=True)
-    config = TierConfig(device_budget=device, host_budget=host, disk_dir=root / name)
-    return TieredCache(model, config, "tierkv", select=SelectConfig(budget=SELECT))
-
-
 def run(quick: bool) -> dict:
     """Every case at ``bench.decode``'s budgets; all again with the device budget raised by the
     shortfall named (``bench.decode.raised``) when a case raises ``TierFullError`` or would cut
@@ -114,8 +107,9 @@ def run(quick: bool) -> dict:
     torch.manual_seed(0)
     where = str(bench_device())
     tokens = 2048 if quick else 8192 - TOKENS
-    models = [load_model("smollm2-135m", device=where)[0] for _ in range(2 + 3 * len(DRAFTS))]
-    tok = load_model("smollm2-135m", device=where)[1]
+    first, tok = load_model("smollm2-135m", device=where)
+    models = [first] + [load_model("smollm2-135m", device=where)[0]
+                        for _ in range(1 + 3 * len(DRAFTS))]
     ids = document_ids(tok, tokens + TOKENS, seed=0)
     kv = KVShape.from_config(models[0].config, dtype=models[0].dtype).kv_bytes(tokens + TOKENS)
     device, host, tried = int(DEVICE_SHARE * kv), int(HOST_SHARE * kv), []
@@ -157,7 +151,8 @@ def measure(models: list, prompt: torch.Tensor, cont: torch.Tensor, device: int,
                                       for kind in ("verify", "question")]
         for name, t, verifying in runs:
             net = next(nets)
-            cases.append(Case(name, net, tiered(net, root, name, device, host), t, verifying))
+            cases.append(Case(name, net, new_cache(net, "tierkv", device, host, root / name), t,
+                              verifying))
         for case in cases:
             case.prefill(prompt)
         for turn, start in enumerate(range(0, cont.numel(), BLOCK)):

@@ -222,7 +222,8 @@ class GenerateGuard:
                     if first and known and "next_sequence_length" in kwargs and \
                             kwargs["next_sequence_length"] is None and input_ids.shape[1] > held:
                         kwargs["next_sequence_length"] = input_ids.shape[1] - held
-                    check_drafts(cache, input_ids.shape[1] - (self.prompt if first else held + 1))
+                    if first:  # (later passes verify: begin_forward checks their drafts)
+                        check_drafts(cache, input_ids.shape[1] - self.prompt)
                 if first and known and kwargs.get("next_sequence_length") == \
                         input_ids.shape[1] - held > 0:  # once a generate call
                     check_prefix(cache.token_ids, input_ids)

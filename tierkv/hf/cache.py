@@ -263,13 +263,13 @@ class TieredCache(GroupFetches, Cache):
         q = query[0]
         scaling = module.scaling if scaling is None else scaling
         t = q.shape[1]
-        prompt = (t > 1 and not self.verifying) or self.layer_length(layer) == t
+        prompt = (t > 1 and not self._drafts) or self.layer_length(layer) == t
         if prompt:
             if layer == 0 and self.policy.adaptive:
                 with self.changing():
                     self.compact()
             out = prefill_attention(self, layer, q, scaling)
-        else:  # one new token, or a pass verifying drafted ones (``verifying``)
+        else:  # one new token, or a pass verifying drafted ones (``hooks.begin_forward``)
             out = self._decode(layer, q, scaling)
         self._after_attention(layer, decoding=not prompt)
         return out.transpose(0, 1).unsqueeze(0)

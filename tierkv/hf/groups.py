@@ -128,11 +128,8 @@ class GroupIndex:
 
         q : Tensor, shape (q_heads, head_dim).
         """
-        per_head, per_layer = chunk_scores(q, self.tree.kmin, self.tree.kmax)
-        rank = torch.argsort(torch.argsort(per_head, dim=0, descending=True), dim=0)
-        best = rank.min(dim=1).values.float()
-        spread = (per_layer - per_layer.min()) / (per_layer.max() - per_layer.min() + 1e-9)
-        return -best + 0.5 * spread
+        per_head, _ = chunk_scores(q, self.tree.kmin, self.tree.kmax)
+        return _round_robin(per_head.unsqueeze(0))[0]
 
     def bound_scores_each(self, q: torch.Tensor) -> torch.Tensor:
         """``bound_scores`` of each of ``t`` query tokens alone, their bounds computed in one
@@ -141,12 +138,8 @@ class GroupIndex:
         kmin = self.tree.kmin
         m, kv_heads = kmin.shape[0], kmin.shape[1]
         per_head = summary_bound_scores(q.reshape(heads * t, dim), kmin, self.tree.kmax)
-        per_head = per_head.view(m, kv_heads, heads // kv_heads, t).amax(dim=2).permute(2, 0, 1)
-        rank = torch.argsort(torch.argsort(per_head, dim=1, descending=True), dim=1)
-        best = rank.min(dim=2).values.float()
-        per_layer = per_head.amax(dim=2)
-        low, high = per_layer.amin(dim=1, keepdim=True), per_layer.amax(dim=1, keepdim=True)
-        return -best + 0.5 * (per_layer - low) / (high - low + 1e-9)
+        return _round_robin(per_head.view(m, kv_heads, heads // kv_heads, t).amax(dim=2)
+                            .permute(2, 0, 1))
 
     def share_scores(self, q: torch.Tensor) -> torch.Tensor:
         """Ranking of the leaves by estimated attention density: (m,), higher is better.
@@ -260,6 +253,17 @@ def _leaf_keys(splits, keys_at, positions: torch.Tensor):
     if order is not None:
         index = order[index]
     return [splits[i] for i in found.tolist()], keys_at(index)
+
+
+def _round_robin(per_head: torch.Tensor) -> torch.Tensor:
+    """``GroupIndex.bound_scores``' ranking from the bounds ``per_head`` (t, m, kv_heads) of
+    ``t`` queries: (t, m), each leaf scoring its best rank over the kv heads, ties going to the
+    higher bound."""
+    rank = torch.argsort(torch.argsort(per_head, dim=1, descending=True), dim=1)
+    best = rank.min(dim=2).values.float()
+    per_layer = per_head.amax(dim=2)
+    low, high = per_layer.amin(dim=1, keepdim=True), per_layer.amax(dim=1, keepdim=True)
+    return -best + 0.5 * (per_layer - low) / (high - low + 1e-9)
 
 
 def _ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:

@@ -229,12 +229,10 @@ class OmniKV(Policy):
         index, budget = cache.indexes[target], self.budget(cache, target)
         room = cache.fetch_room(target)
         alone = budget if room is None else min(budget, room)
-        each = [self._fill(index, _by_position(cache, layer, mass, positions), alone)
-                for mass in token_mass]
-        leaves = torch.cat(each).unique()  # (sorted)
-        if room is not None and index.fetch(leaves).tokens > room:
-            return self._fill(index, scores, room)
-        return leaves
+        leaves = held_together(cache, target, [
+            self._fill(index, _by_position(cache, layer, mass, positions), alone)
+            for mass in token_mass])
+        return self._fill(index, scores, room) if leaves is None else leaves
 
     def question_fetch(self, cache, layer, q):
         """A selecting group attends what its filter layer chose for the question
@@ -349,6 +347,16 @@ class OmniKV(Policy):
             scores = (1 - rate) * grown + rate * scores
         self._smoothed[layer] = scores
         return scores
+
+
+def held_together(cache, group: int, each: list[torch.Tensor]) -> torch.Tensor | None:
+    """The union of the leaf sets ``each`` (sorted), or None when the device tier does not
+    hold their records in one fetch of ``group`` (``TieredCache.fetch_room``)."""
+    leaves = torch.cat(each).unique()
+    room = cache.fetch_room(group)
+    if room is not None and cache.indexes[group].fetch(leaves).tokens > room:
+        return None
+    return leaves
 
 
 def _token_peaks(probs: torch.Tensor, t: int) -> torch.Tensor:

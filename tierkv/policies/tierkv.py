@@ -95,7 +95,7 @@ went from 0.745 / 0.859 / 0.906 to 0.755 / 0.849 / 0.901: not kept.
 import torch
 
 from .base import layers_of, per_layer, register
-from .omnikv import OmniKV
+from .omnikv import OmniKV, held_together
 
 PRESELECT_FACTOR = 4
 PRESELECT_FLOOR = 0.4
@@ -182,12 +182,10 @@ class TierKV(OmniKV):
         decode step would, all together where the device tier holds their records; else those
         all of their query heads rank first together, within one step's number."""
         ranked = cache.index_of(layer).bound_scores_each(q.cpu())  # (t, leaves)
-        each = [self._candidates(cache, layer, None, fetching=False, scores=row) for row in ranked]
-        leaves = torch.cat(each).unique()  # (sorted)
-        room = cache.fetch_room(cache.group_of[layer])
-        if room is not None and cache.index_of(layer).fetch(leaves).tokens > room:
-            return self._candidates(cache, layer, q.reshape(-1, q.shape[-1]).cpu())
-        return leaves
+        leaves = held_together(cache, cache.group_of[layer], [
+            self._candidates(cache, layer, None, fetching=False, scores=row) for row in ranked])
+        return self._candidates(cache, layer, q.reshape(-1, q.shape[-1]).cpu()) \
+            if leaves is None else leaves
 
     def question_preselect(self, cache, layer, q):
         """A preselecting layer's candidates for a question: ranked by the bounds of all of its
